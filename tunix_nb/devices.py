@@ -1,0 +1,149 @@
+"""Devices: simulate N CPU devices before JAX starts, describe them, pick defaults.
+
+JAX reads the device count once, when its first backend starts (the first array,
+`jax.devices()`, ...). So `simulate_cpu_devices` must run before that, and in a
+notebook that means before `import jax` in the setup cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Overrides the device count a notebook's setup cell asks for, e.g. 1 to see the
+# single-device path of every lesson: TUNIX_NB_DEVICES=1 jupyter lab notebooks/
+DEVICES_ENV = "TUNIX_NB_DEVICES"
+
+
+def _jax_backends_started() -> bool:
+    """True once JAX has created a backend; only then is the device count fixed."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # no public API answers this question
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _with_device_count_flag(xla_flags: str, n: int) -> str:
+    """XLA_FLAGS with the device-count flag set to n, replacing any earlier value.
+
+    n = 1 is the CPU default, so then the flag is dropped rather than set.
+    """
+    kept = re.sub(rf"{DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split()
+    return " ".join(kept if n == 1 else [*kept, f"{DEVICE_COUNT_FLAG}={n}"])
+
+
+def simulate_cpu_devices(n: int = 8) -> None:
+    """Make the CPU backend expose `n` devices. Call before JAX starts.
+
+    Sets the XLA flag `--xla_force_host_platform_device_count=n` and selects the CPU
+    platform. If JAX has already started, this is fine when it has exactly `n` CPU
+    devices, and otherwise raises an error telling you to restart the kernel.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"simulate_cpu_devices(n) needs a positive int, got {n!r}.")
+    if _jax_backends_started():
+        import jax
+
+        have = jax.devices()
+        if len(have) == n and have[0].platform == "cpu":
+            return
+        raise RuntimeError(
+            f"JAX has already started with {len(have)} {have[0].platform} device(s), so it "
+            f"cannot switch to {n} simulated CPU devices. Restart the kernel (or the "
+            f"Python process) and call tunix_nb.devices.simulate_cpu_devices({n}) "
+            "before `import jax` and before anything else that uses JAX."
+        )
+    os.environ["XLA_FLAGS"] = _with_device_count_flag(os.environ.get("XLA_FLAGS", ""), n)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported but not started: the config still applies
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def in_colab() -> bool:
+    """True inside a Google Colab runtime."""
+    return "google.colab" in sys.modules
+
+
+def accelerator_hint() -> str | None:
+    """'tpu', 'gpu' or None, judged without starting JAX (so simulation stays possible).
+
+    Looks at what the runtime exposes: Colab's accelerator variables, TPU device files,
+    an NVIDIA device file, or an explicit JAX_PLATFORMS.
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        first = platforms.split(",")[0]
+        return {"tpu": "tpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu"}.get(first)
+    if os.environ.get("COLAB_TPU_ADDR") or os.environ.get("TPU_ACCELERATOR_TYPE"):
+        return "tpu"
+    if os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"):
+        return "tpu"
+    if os.path.exists("/dev/nvidia0") or os.environ.get("COLAB_GPU"):
+        return "gpu"
+    return None
+
+
+def setup(n_cpu_devices: int = 8) -> int:
+    """The notebooks' setup call: on CPU, simulate devices; on TPU/GPU, use them.
+
+    Returns the number of CPU devices it asked for (0 when an accelerator is used).
+    The environment variable TUNIX_NB_DEVICES overrides `n_cpu_devices` and forces
+    CPU simulation, e.g. TUNIX_NB_DEVICES=1 for the single-device path.
+    """
+    override = os.environ.get(DEVICES_ENV)
+    if override:
+        try:
+            n = int(override)
+        except ValueError:
+            raise ValueError(f"{DEVICES_ENV}={override!r} is not an integer; set it to e.g. 1 or 8.")
+        simulate_cpu_devices(n)
+        return n
+    if accelerator_hint() is not None:
+        return 0
+    simulate_cpu_devices(n_cpu_devices)
+    return n_cpu_devices
+
+
+def describe() -> str:
+    """One line: backend, device count and kind, JAX version."""
+    import jax
+
+    devs = jax.devices()
+    kinds = sorted({d.device_kind for d in devs})
+    return (
+        f"backend={jax.default_backend()} devices={len(devs)} kind={','.join(kinds)} "
+        f"processes={jax.process_count()} jax={jax.__version__}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendDefaults:
+    """What to compute in on a backend. Parameters always stay float32."""
+
+    backend: str
+    compute_dtype: str  # "float32" or "bfloat16"
+    param_dtype: str = "float32"
+
+
+def defaults_for(backend: str | None = None) -> BackendDefaults:
+    """Per-backend defaults: float32 compute on CPU, bfloat16 on TPU and GPU.
+
+    CPUs have no fast bfloat16 matmul, so bfloat16 there is slower, not faster.
+    """
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    backend = backend.lower()
+    if backend in ("tpu", "gpu", "cuda", "rocm"):
+        return BackendDefaults(backend=backend, compute_dtype="bfloat16")
+    if backend == "cpu":
+        return BackendDefaults(backend=backend, compute_dtype="float32")
+    raise ValueError(f"Unknown backend {backend!r}; expected 'cpu', 'gpu' or 'tpu'.")
