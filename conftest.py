@@ -12,3 +12,21 @@ N_TEST_DEVICES = 8
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 devices.simulate_cpu_devices(N_TEST_DEVICES)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """List every notebook nbval executed, with its wall time, at the end of the run."""
+    times: dict[str, float] = {}
+    failed: set[str] = set()
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            path = getattr(report, "nodeid", "").split("::")[0]
+            if path.endswith(".ipynb") and getattr(report, "when", "call") == "call":
+                times[path] = times.get(path, 0.0) + report.duration
+                if outcome in ("failed", "error"):
+                    failed.add(path)
+    if times:
+        terminalreporter.write_sep("=", "notebooks executed by nbval")
+        for path, seconds in sorted(times.items()):
+            status = "FAILED" if path in failed else "ok"
+            terminalreporter.write_line(f"{path}: {seconds:.1f} s of cells, {status}")

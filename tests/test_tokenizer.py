@@ -21,7 +21,10 @@ def test_encode_adds_no_special_tokens():
     assert all(i >= 3 for i in ids) and len(ids) == len("add 1+2=")
 
 
-@pytest.mark.parametrize("text", ["hello", "café déjà vu", "日本語のテキスト", "🙂👍🏽", "", "a\nb\r\n\tc", " "])
+TEXTS = ["hello", "café déjà vu", "日本語のテキスト", "🙂👍🏽", "", "a\nb\r\n\tc", " "]
+
+
+@pytest.mark.parametrize("text", TEXTS)
 def test_round_trip(text):
     assert tok.decode(tok.encode(text)) == text
 

@@ -150,11 +150,13 @@ def _generate(n: int, seed: int, exclude: Iterable[str], preferences: bool) -> l
     out = []
     for i in range(n):
         task = TASKS[i % len(TASKS)]  # cycle, then shuffle: exactly balanced, random order
-        while True:
+        for _ in range(10_000):
             prompt, answer, wrong = _SAMPLERS[task](rng)
             wrong = [w for w in dict.fromkeys(wrong) if w and w != answer]
             if prompt not in seen and (wrong or not preferences):
                 break
+        else:  # e.g. `add` has only 10,000 distinct prompts
+            raise ValueError(f"ran out of new {task!r} prompts after {i} examples; ask for fewer (lower n).")
         seen.add(prompt)
         if preferences:
             out.append({"prompt": prompt, "chosen": answer, "rejected": rng.choice(wrong), "task": task})
@@ -256,7 +258,8 @@ def load_jsonl(path: str | Path, required_keys: Sequence[str]) -> list[dict]:
                 raise DataError(f"{at}: missing key {key!r} ({hint}).")
             value = obj[key]
             if not isinstance(value, str):
-                raise DataError(f"{at}: {key!r} must be a string, got {type(value).__name__} {value!r} ({hint}).")
+                got = f"{type(value).__name__} {value!r}"
+                raise DataError(f"{at}: {key!r} must be a string, got {got} ({hint}).")
             if not value.strip():
                 raise DataError(f"{at}: {key!r} is empty or only whitespace ({hint}).")
         rows.append(obj)
@@ -282,9 +285,12 @@ def _check_len(name: str, value: int) -> None:
 
 
 def _encode_row(
-    tokenizer: Tokenizer, prompt: str, completion: str, seq_len: int, truncate: bool
+    tokenizer: Tokenizer, prompt: str, completion: str, seq_len: int, truncate: bool | None
 ) -> tuple[dict[str, np.ndarray], int]:
-    """One row's four arrays, and how many tokens truncation cut (0 if none)."""
+    """One row's four arrays, and how many tokens truncation cut (0 if none).
+
+    truncate=None: too long raises, and the message does not offer truncation.
+    """
     _check_len("seq_len", seq_len)
     p, c = tokenizer.encode(prompt), tokenizer.encode(completion)
     row = [tokenizer.bos_id, *p, *c, tokenizer.eos_id]
@@ -298,10 +304,11 @@ def _encode_row(
                 "Raise seq_len or shorten the prompt."
             )
         if not truncate:
+            alternative = "" if truncate is None else ", or pass truncate=True to cut the completion's end"
             raise DataError(
                 f"example {prompt[:40]!r} needs {len(row)} tokens (bos + {len(p)} prompt + "
                 f"{len(c)} completion + eos), i.e. seq_len >= {len(row) - 1}, but seq_len={seq_len}. "
-                f"Raise seq_len to {len(row) - 1}, or pass truncate=True to cut the completion's end."
+                f"Raise seq_len to {len(row) - 1}{alternative}."
             )
         # Cut the completion's tail, and its eos with it: keeping eos would teach the
         # model to stop in the middle of an answer.
@@ -349,7 +356,7 @@ def _require_examples(examples: Sequence, what: str) -> None:
 def sft_arrays(
     examples: Sequence[Mapping[str, str]], tokenizer: Tokenizer, seq_len: int, *, truncate: bool = False
 ) -> dict[str, np.ndarray]:
-    """Stack examples {prompt, completion} into `inputs_NxL`, `targets_NxL`, `loss_mask_NxL`, `attention_mask_NxL`.
+    """Stack examples {prompt, completion}: `inputs_NxL`, `targets_NxL`, `loss_mask_NxL`, `attention_mask_NxL`.
 
     With truncate=True, all truncations are reported in a single warning.
     """
@@ -379,7 +386,7 @@ def preference_arrays(
     _require_examples(examples, "preference pairs")
     out = {}
     for side in ("chosen", "rejected"):
-        rows = [_encode_row(tokenizer, ex["prompt"], ex[side], seq_len, False)[0] for ex in examples]
+        rows = [_encode_row(tokenizer, ex["prompt"], ex[side], seq_len, None)[0] for ex in examples]
         out.update(_stack(rows, prefix=f"{side}_"))
     return out
 
@@ -409,7 +416,9 @@ def prompt_arrays(prompts: Sequence[str], tokenizer: Tokenizer, prompt_len: int)
 # ---------------------------------------------------------------- batches
 
 
-def batch_at(arrays: Mapping[str, np.ndarray], step: int, batch_size: int, *, seed: int) -> dict[str, np.ndarray]:
+def batch_at(
+    arrays: Mapping[str, np.ndarray], step: int, batch_size: int, *, seed: int
+) -> dict[str, np.ndarray]:
     """The batch for training step `step`: a pure function of (seed, step).
 
     Each epoch visits the N rows in the order of a permutation drawn from
@@ -463,7 +472,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m tunix_nb.data",
         description="Regenerate the kit's synthetic SFT and preference data (reproducible byte for byte).",
     )
-    parser.add_argument("--out", default="data", help="output folder, relative to the current directory (default: data)")
+    parser.add_argument(
+        "--out", default="data", help="output folder, relative to the current directory (default: data)"
+    )
     args = parser.parse_args(argv)
     for name, path in write_datasets(args.out).items():
         data = path.read_bytes()
