@@ -29,7 +29,9 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 128
     rope_base: float = 10_000.0
-    dtype: str = "float32"  # compute dtype; parameters are always float32
+    # Compute dtype of every layer. None follows the parameters, so a training step can
+    # run in bfloat16 by casting a float32 parameter tree (tunix_nb.train does).
+    dtype: str | None = None
 
     def __post_init__(self):
         if self.d_model % self.n_heads:

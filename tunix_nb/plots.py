@@ -1,0 +1,145 @@
+"""Plots: the small matplotlib figures the notebooks share.
+
+Each function draws on an `Axes` you pass in (so a notebook can lay out several
+panels), sets a title and axis labels, and returns what a caller may want to check
+(the KL it shows, the artists it drew). Nothing here calls `plt.show()`: the notebook
+decides when a figure is shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+def softmax_at(logits_V, temperature: float) -> np.ndarray:
+    """softmax(logits / T) over the last axis, in float64 NumPy (for drawing only)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    z = np.asarray(logits_V, dtype=np.float64) / temperature
+    z = z - z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def kl_at(teacher_logits_V, student_logits_V, temperature: float) -> float:
+    """KL(teacher_T || student_T) for one position, via `tunix_nb.losses`.
+
+    `losses.kl_distillation_per_example` with alpha=1 returns T^2 * KL (the soft
+    term of the loss); this divides the T^2 back out, so the value is the plain KL
+    between the two distributions the plot shows.
+    """
+    import jax.numpy as jnp
+
+    from tunix_nb import losses
+
+    teacher_1xV = jnp.asarray(teacher_logits_V, jnp.float32)[None]
+    student_1xV = jnp.asarray(student_logits_V, jnp.float32)[None]
+    soft = losses.kl_distillation_per_example(
+        student_1xV, teacher_1xV, jnp.zeros((1,), jnp.int32), jnp.ones((1,)),
+        temperature=float(temperature), alpha=1.0,
+    )
+    return float(soft) / float(temperature) ** 2
+
+
+def plot_temperature(ax, teacher_logits_V, student_logits_V, temperature: float) -> float:
+    """Draw softmax(teacher / T) and softmax(student / T) over the vocabulary.
+
+    Draws two lines (teacher first, then student) on `ax`, which is cleared first,
+    and returns KL(teacher_T || student_T), the value shown in the title next to
+    T^2 * KL, the soft term the distillation loss uses.
+    """
+    p_teacher = softmax_at(teacher_logits_V, temperature)
+    p_student = softmax_at(student_logits_V, temperature)
+    kl = kl_at(teacher_logits_V, student_logits_V, temperature)
+    ax.clear()
+    x = np.arange(p_teacher.shape[-1])
+    ax.plot(x, p_teacher, drawstyle="steps-mid", color="C0", label="teacher")
+    ax.plot(x, p_student, drawstyle="steps-mid", color="C1", label="student")
+    ax.fill_between(x, p_teacher, step="mid", color="C0", alpha=0.2)
+    ax.set_xlabel("token id (vocabulary index)")
+    ax.set_ylabel("probability")
+    ax.set_title(f"T = {temperature:g}:  KL(teacher || student) = {kl:.4f},  "
+                 f"T² · KL = {temperature**2 * kl:.4f}", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=8)
+    return kl
+
+
+def plot_ratio_curve(
+    ax,
+    batch_sizes: Sequence[int],
+    ratios: Mapping[str, Sequence[float]],
+    *,
+    title: str = "Time ratios over batch size",
+    ylabel: str = "time ratio (×, log scale)",
+) -> list:
+    """Plot one line per named ratio against batch size, on log-log axes.
+
+    A dashed line at 1 marks "equally fast". Returns the drawn lines, one per ratio.
+    """
+    lines = []
+    for label, values in ratios.items():
+        if len(values) != len(batch_sizes):
+            raise ValueError(
+                f"ratio {label!r} has {len(values)} values but there are "
+                f"{len(batch_sizes)} batch sizes: give one ratio per batch size"
+            )
+        (line,) = ax.plot(batch_sizes, values, marker="o", label=label)
+        lines.append(line)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(batch_sizes), [str(b) for b in batch_sizes])
+    ax.set_xlabel("batch size B (examples)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return lines
+
+
+def plot_divergence_fits(
+    ax,
+    teacher_probs_V,
+    fits: Mapping[str, np.ndarray],
+    *,
+    title: str = "A one-bump student fitted to a two-mode teacher",
+) -> list:
+    """The teacher distribution (shaded) and one line per fitted student distribution.
+
+    `fits` maps a label (e.g. "forward KL") to a probability vector over the same
+    bins. Returns the student lines, in the order of `fits`.
+    """
+    teacher = np.asarray(teacher_probs_V)
+    x = np.arange(teacher.shape[-1])
+    ax.fill_between(x, teacher, step="mid", color="gray", alpha=0.35, label="teacher")
+    lines = []
+    for i, (label, probs) in enumerate(fits.items()):
+        (line,) = ax.plot(x, np.asarray(probs), drawstyle="steps-mid", color=f"C{i}",
+                          linewidth=2, label=label)
+        lines.append(line)
+    ax.set_xlabel("bin (a 1-D vocabulary)")
+    ax.set_ylabel("probability")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return lines
+
+
+def plot_grad_norms(ax, norms_B, *, clip_norm: float | None = None,
+                    title: str = "Per-example gradient norms") -> list:
+    """One bar per example's gradient norm; a dashed line at `clip_norm` if given.
+
+    Returns the bars (a matplotlib BarContainer's patches).
+    """
+    norms = np.asarray(norms_B)
+    bars = ax.bar(np.arange(norms.shape[0]), norms, color="C0")
+    if clip_norm is not None:
+        ax.axhline(clip_norm, color="C3", linestyle="--", linewidth=1,
+                   label=f"clip norm = {clip_norm:g}")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("example in the batch")
+    ax.set_ylabel("‖∂ loss_b / ∂ params‖₂")
+    ax.set_title(title, fontsize=10)
+    return list(bars)

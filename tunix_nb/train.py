@@ -1,0 +1,186 @@
+"""Training: optimizer, step builders for SFT and distillation, and the training loop.
+
+A step is a pure function `step(params, opt_state, batch, frozen) -> (params,
+opt_state, metrics)`: `frozen` holds what is not trained (a teacher's parameters, or
+nothing). There is no dropout, so a step needs no random key; the data order comes
+from `tunix_nb.data.batch_at(seed, step)`.
+
+Every objective returns `(loss_sum, weight, metrics)`: the loss over the batch is
+`loss_sum / weight`. For SFT that is (NLL summed over completion tokens, number of
+completion tokens); for per-example losses it is (sum over examples, examples). Under
+`pmap` the step psums both before dividing, so the loss and the gradients are those of
+the *global* batch, exactly as on one device, however the tokens fall across devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from tqdm.auto import tqdm
+
+from tunix_nb import losses, parallel
+from tunix_nb import model as model_lib
+
+PARALLEL_MODES = ("jit", "pmap")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay, after global-norm clipping."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 500
+    end_learning_rate_fraction: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+    if cfg.total_steps <= cfg.warmup_steps:
+        raise ValueError(
+            f"total_steps={cfg.total_steps} must exceed warmup_steps={cfg.warmup_steps}; "
+            "train longer or warm up for fewer steps."
+        )
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.total_steps,
+        end_value=cfg.learning_rate * cfg.end_learning_rate_fraction,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, weight_decay=cfg.weight_decay),
+    )
+
+
+def cast_floats(tree, dtype):
+    """Mixed precision: a compute copy of the float leaves in `dtype` (None: unchanged).
+
+    Gradients flow back through the cast, so they arrive in the parameters' float32.
+    """
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+# ------------------------------------------------------------------------ objectives
+
+
+def sft_objective(graphdef, *, compute_dtype=None):
+    """(params, batch, frozen) -> (NLL summed over completion tokens, token count, {})."""
+
+    def objective(params, batch, frozen=None):
+        logits = model_lib.apply(graphdef, cast_floats(params, compute_dtype), batch["inputs"],
+                                 batch["attention_mask"])
+        nll_sum, count = losses.sft_loss(logits, batch["targets"], batch["loss_mask"])
+        return nll_sum, count, {}
+
+    return objective
+
+
+def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, alpha=0.5,
+                      compute_dtype=None):
+    """(student params, batch, teacher params) -> (sum of per-example losses, B, metrics).
+
+    The teacher runs in the same step, frozen: no gradient flows into it.
+    """
+
+    def objective(params, batch, teacher_params):
+        student_logits = model_lib.apply(student_graphdef, cast_floats(params, compute_dtype),
+                                         batch["inputs"], batch["attention_mask"])
+        teacher_logits = lax.stop_gradient(model_lib.apply(
+            teacher_graphdef, cast_floats(teacher_params, compute_dtype), batch["inputs"],
+            batch["attention_mask"]))
+        mean_loss, metrics = losses.distillation_loss(
+            student_logits, teacher_logits, batch["targets"], batch["loss_mask"],
+            temperature=temperature, alpha=alpha)
+        n = batch["inputs"].shape[0]
+        return mean_loss * n, jnp.float32(n), metrics
+
+    return objective
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit"):
+    """A compiled training step for `objective`, under `jit` (one device) or `pmap`.
+
+    Under pmap, params/opt_state/frozen are replicated and the batch is sharded
+    (`tunix_nb.parallel`); loss sums, weights and gradients are psum'd over devices
+    before the division, so every device applies the global batch's update.
+    """
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
+    axis = parallel.DEVICE_AXIS if parallel_mode == "pmap" else None
+
+    def step(params, opt_state, batch, frozen=None):
+        def local_loss_sum(p):
+            loss_sum, weight, metrics = objective(p, batch, frozen)
+            return loss_sum, (weight, metrics)
+
+        (loss_sum, (weight, metrics)), grads = jax.value_and_grad(local_loss_sum, has_aux=True)(params)
+        if axis is not None:  # the all-reduce: sum over devices, then divide once
+            loss_sum, weight, grads = lax.psum((loss_sum, weight, grads), axis)
+            metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
+        weight = jnp.maximum(weight, 1.0)  # a batch with no completion tokens: no NaN
+        grads = jax.tree.map(lambda g: g / weight, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.global_norm(grads), **metrics}
+        return params, opt_state, metrics
+
+    if axis is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    return jax.pmap(step, axis_name=axis, donate_argnums=(0, 1))
+
+
+def init_opt_state(optimizer, params):
+    return optimizer.init(params)
+
+
+# ------------------------------------------------------------------------------- loop
+
+
+def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: int, start_step: int = 0,
+        parallel_mode: str = "jit", frozen=None, desc: str = "train", progress: bool = True,
+        on_step: Callable[[int, dict], None] | None = None):
+    """Run `steps` steps from `start_step`; returns (params, opt_state, history).
+
+    `batch_fn(step)` gives the global batch for a step. Under pmap the state is
+    replicated once and the batches sharded here, and the returned state is back on
+    one device. `history` is a list of per-step metric dicts of Python floats.
+    """
+    n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
+    if parallel_mode == "pmap":
+        params, opt_state, frozen = parallel.replicate((params, opt_state, frozen), n_devices)
+    history = []
+    bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress, leave=False)
+    for step in bar:
+        batch = batch_fn(step)
+        if parallel_mode == "pmap":
+            batch = parallel.shard_batch(batch, n_devices)
+        params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
+        if parallel_mode == "pmap":
+            metrics = parallel.unreplicate(metrics)
+        record = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
+        if not np.isfinite(record["loss"]):
+            raise FloatingPointError(
+                f"Loss became {record['loss']} at step {step + 1}; lower the learning rate "
+                "or check the batch (every row needs completion tokens)."
+            )
+        history.append(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if on_step is not None:
+            on_step(step + 1, record)
+    if parallel_mode == "pmap":
+        params, opt_state = parallel.unreplicate((params, opt_state))
+    return params, opt_state, history
