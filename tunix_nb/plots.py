@@ -1,15 +1,17 @@
 """Plots: the small matplotlib figures the notebooks share.
 
-Each function draws on an `Axes` you pass in (so a notebook can lay out several
-panels), sets a title and axis labels, and returns what a caller may want to check
-(the KL it shows, the artists it drew). Nothing here calls `plt.show()`: the notebook
-decides when a figure is shown.
+Most functions draw on an `Axes` you pass in (so a notebook can lay out several
+panels); the multi-panel training summaries at the end make their own figure and
+return it. Each sets a title and axis labels, and returns what a caller may want to
+check (the KL it shows, the artists it drew, the figure). Nothing here calls
+`plt.show()`: the notebook decides when a figure is shown.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 
@@ -60,8 +62,8 @@ def plot_temperature(ax, teacher_logits_V, student_logits_V, temperature: float)
     ax.fill_between(x, p_teacher, step="mid", color="C0", alpha=0.2)
     ax.set_xlabel("token id (vocabulary index)")
     ax.set_ylabel("probability")
-    ax.set_title(f"T = {temperature:g}:  KL(teacher || student) = {kl:.4f},  "
-                 f"T² · KL = {temperature**2 * kl:.4f}", fontsize=10)
+    ax.set_title(f"Teacher and student at T = {temperature:g}\n"
+                 f"KL(teacher‖student) = {kl:.4f}, T²·KL = {temperature**2 * kl:.4f}", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper right", fontsize=8)
     return kl
@@ -99,6 +101,9 @@ def plot_ratio_curve(
     return lines
 
 
+_LINESTYLES = ("-", "--", ":", "-.")  # so that overlapping fits stay distinguishable
+
+
 def plot_divergence_fits(
     ax,
     teacher_probs_V,
@@ -117,7 +122,7 @@ def plot_divergence_fits(
     lines = []
     for i, (label, probs) in enumerate(fits.items()):
         (line,) = ax.plot(x, np.asarray(probs), drawstyle="steps-mid", color=f"C{i}",
-                          linewidth=2, label=label)
+                          linestyle=_LINESTYLES[i % len(_LINESTYLES)], linewidth=2, label=label)
         lines.append(line)
     ax.set_xlabel("bin (a 1-D vocabulary)")
     ax.set_ylabel("probability")
@@ -137,9 +142,47 @@ def plot_grad_norms(ax, norms_B, *, clip_norm: float | None = None,
     bars = ax.bar(np.arange(norms.shape[0]), norms, color="C0")
     if clip_norm is not None:
         ax.axhline(clip_norm, color="C3", linestyle="--", linewidth=1,
-                   label=f"clip norm = {clip_norm:g}")
+                   label=f"clip norm = {clip_norm:.3g}")
         ax.legend(fontsize=8)
     ax.set_xlabel("example in the batch")
     ax.set_ylabel("‖∂ loss_b / ∂ params‖₂")
     ax.set_title(title, fontsize=10)
     return list(bars)
+
+
+def _curve(history, key):
+    return [h["step"] for h in history], [h[key] for h in history]
+
+
+def plot_training(history, eval_accuracy, *, title: str):
+    """Loss, gradient norm and eval exact match over training steps, side by side.
+
+    `history`: per-step metric dicts (from `train.run`); `eval_accuracy`: (step, accuracy).
+    """
+    fig, (ax_loss, ax_norm, ax_em) = plt.subplots(1, 3, figsize=(11, 3))
+    ax_loss.plot(*_curve(history, "loss"))
+    ax_loss.set(title="training loss", xlabel="step", ylabel="NLL per answer token (nats)", yscale="log")
+    ax_norm.plot(*_curve(history, "grad_norm"))
+    ax_norm.set(title="gradient norm (before clipping)", xlabel="step", ylabel="global L2 norm")
+    steps, accuracy = zip(*eval_accuracy)
+    ax_em.plot(steps, [100 * a for a in accuracy], marker="o")
+    ax_em.set(title="eval exact match", xlabel="step", ylabel="accuracy (%)", ylim=(0, 100))
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_distillation_comparison(runs: dict, *, title: str):
+    """Training loss and eval loss of several runs: {label: (history, [(step, eval_loss)])}."""
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.2))
+    for label, (history, eval_curve) in runs.items():
+        ax_train.plot(*_curve(history, "loss"), label=label, alpha=0.8)
+        ax_eval.plot(*zip(*eval_curve), marker="o", label=label)
+    ax_train.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss (nats)",
+                 yscale="log")
+    ax_eval.set(title="eval loss: NLL of the correct answers", xlabel="step",
+                ylabel="NLL per answer token (nats)")
+    ax_eval.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

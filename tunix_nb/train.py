@@ -108,15 +108,85 @@ def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, al
     return objective
 
 
+def _stacked_pair(batch):
+    """Chosen rows then rejected rows, [2B, L]: one forward pass scores both."""
+    return {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
+            for k in ("inputs", "targets", "loss_mask", "attention_mask")}
+
+
+def pair_log_probs(graphdef, params, batch, *, length_normalize=False):
+    """(chosen, rejected) completion log-probs [B] each, from one concatenated forward pass.
+
+    `length_normalize=True` divides by the number of completion tokens (what IPO wants).
+    """
+    rows = _stacked_pair(batch)
+    logits = model_lib.apply(graphdef, params, rows["inputs"], rows["attention_mask"])
+    logps = losses.sequence_log_probs(logits, rows["targets"], rows["loss_mask"])
+    if length_normalize:
+        logps = logps / jnp.maximum(rows["loss_mask"].sum(axis=-1), 1.0)
+    chosen, rejected = jnp.split(logps, 2)
+    return chosen, rejected
+
+
+def reference_log_probs(graphdef, params, pair_arrays, *, length_normalize=False, batch_size=256):
+    """The frozen reference model's log-probs for every pair, computed once.
+
+    Returns `pair_arrays` plus `ref_chosen_logps` and `ref_rejected_logps` [N], so that
+    `data.batch_at` hands each DPO step its pairs' cached reference values.
+    """
+    fn = jax.jit(lambda p, b: pair_log_probs(graphdef, p, b, length_normalize=length_normalize))
+    n = len(pair_arrays["chosen_inputs"])
+    chosen, rejected = [], []
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, start + batch_size) % n  # pad the tail: one compiled shape
+        c, r = fn(params, {k: v[idx] for k, v in pair_arrays.items()})
+        keep = min(batch_size, n - start)
+        chosen.append(np.asarray(c)[:keep])
+        rejected.append(np.asarray(r)[:keep])
+    return {**pair_arrays, "ref_chosen_logps": np.concatenate(chosen),
+            "ref_rejected_logps": np.concatenate(rejected)}
+
+
+def dpo_objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
+                  length_normalize=False, cached_reference=True, compute_dtype=None):
+    """(policy params, batch, reference params or None) -> (sum of pair losses, B, metrics).
+
+    With `cached_reference` the batch carries `ref_chosen_logps`/`ref_rejected_logps`
+    (from `reference_log_probs`); otherwise the frozen reference model runs in the step.
+    """
+    if loss_type not in losses.DPO_LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {losses.DPO_LOSS_TYPES}.")
+
+    def objective(params, batch, reference_params=None):
+        pi_c, pi_r = pair_log_probs(graphdef, cast_floats(params, compute_dtype), batch,
+                                    length_normalize=length_normalize)
+        if cached_reference:
+            ref_c, ref_r = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        else:
+            ref_c, ref_r = lax.stop_gradient(pair_log_probs(
+                graphdef, cast_floats(reference_params, compute_dtype), batch,
+                length_normalize=length_normalize))
+        loss, metrics = losses.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=beta, loss_type=loss_type,
+                                        label_smoothing=label_smoothing)
+        metrics = {**metrics, "logps/chosen": pi_c.mean(), "logps/rejected": pi_r.mean()}
+        n = pi_c.shape[0]
+        return loss * n, jnp.float32(n), jax.tree.map(lax.stop_gradient, metrics)
+
+    return objective
+
+
 # ------------------------------------------------------------------------------ steps
 
 
-def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit"):
+def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit",
+              all_reduce: bool = True):
     """A compiled training step for `objective`, under `jit` (one device) or `pmap`.
 
     Under pmap, params/opt_state/frozen are replicated and the batch is sharded
     (`tunix_nb.parallel`); loss sums, weights and gradients are psum'd over devices
     before the division, so every device applies the global batch's update.
+    `all_reduce=False` drops that psum (each device then trains on its own shard): it
+    exists only to measure what the all-reduce costs.
     """
     if parallel_mode not in PARALLEL_MODES:
         raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
@@ -128,14 +198,14 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
             return loss_sum, (weight, metrics)
 
         (loss_sum, (weight, metrics)), grads = jax.value_and_grad(local_loss_sum, has_aux=True)(params)
-        if axis is not None:  # the all-reduce: sum over devices, then divide once
+        if axis is not None and all_reduce:  # the all-reduce: sum over devices, then divide once
             loss_sum, weight, grads = lax.psum((loss_sum, weight, grads), axis)
             metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
         weight = jnp.maximum(weight, 1.0)  # a batch with no completion tokens: no NaN
         grads = jax.tree.map(lambda g: g / weight, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss_sum / weight, "grad_norm": optax.global_norm(grads), **metrics}
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), **metrics}
         return params, opt_state, metrics
 
     if axis is None:
@@ -162,6 +232,8 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
     if parallel_mode == "pmap":
         params, opt_state, frozen = parallel.replicate((params, opt_state, frozen), n_devices)
+    else:  # the step donates its state buffers: keep the caller's arrays alive
+        params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
     history = []
     bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress, leave=False)
     for step in bar:
@@ -184,3 +256,9 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     if parallel_mode == "pmap":
         params, opt_state = parallel.unreplicate((params, opt_state))
     return params, opt_state, history
+
+
+if __name__ == "__main__":  # python -m tunix_nb.train ...
+    from tunix_nb.cli import main
+
+    raise SystemExit(main())
