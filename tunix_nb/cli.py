@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         teacher_graphdef, teacher_like = model.split(model.make_model(teacher_meta["model"]))
         frozen = checkpoint.params_into(teacher_like, checkpoint.load_params(args.teacher))
         objective = train.distill_objective(graphdef, teacher_graphdef, compute_dtype=dtype)
-    step_fn = train.make_step(objective, optimizer, parallel_mode=args.parallel)
+    step_fn = train.make_step(objective, optimizer, parallel_mode=args.parallel, donate=True)
 
     start = 0
     manager = None

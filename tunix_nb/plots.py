@@ -154,30 +154,32 @@ def _curve(history, key):
     return [h["step"] for h in history], [h[key] for h in history]
 
 
-def plot_training(history, eval_accuracy, *, title: str):
-    """Loss, gradient norm and eval exact match over training steps, side by side.
+def plot_training(history, *, title: str, eval_key: str = "eval/exact_match"):
+    """Loss, gradient norm and an eval metric over training steps, side by side.
 
-    `history`: per-step metric dicts (from `train.run`); `eval_accuracy`: (step, accuracy).
+    `history`: per-step metric dicts from `train.run`; steps that ran the eval carry
+    `eval_key` (exact match as a fraction).
     """
     fig, (ax_loss, ax_norm, ax_em) = plt.subplots(1, 3, figsize=(11, 3))
     ax_loss.plot(*_curve(history, "loss"))
     ax_loss.set(title="training loss", xlabel="step", ylabel="NLL per answer token (nats)", yscale="log")
     ax_norm.plot(*_curve(history, "grad_norm"))
     ax_norm.set(title="gradient norm (before clipping)", xlabel="step", ylabel="global L2 norm")
-    steps, accuracy = zip(*eval_accuracy)
-    ax_em.plot(steps, [100 * a for a in accuracy], marker="o")
+    evals = [h for h in history if eval_key in h]
+    ax_em.plot([h["step"] for h in evals], [100 * h[eval_key] for h in evals], marker="o")
     ax_em.set(title="eval exact match", xlabel="step", ylabel="accuracy (%)", ylim=(0, 100))
     fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-def plot_distillation_comparison(runs: dict, *, title: str):
-    """Training loss and eval loss of several runs: {label: (history, [(step, eval_loss)])}."""
+def plot_distillation_comparison(runs: dict, *, title: str, eval_key: str = "eval/loss"):
+    """Training loss and eval loss of several runs: {label: history from train.run}."""
     fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.2))
-    for label, (history, eval_curve) in runs.items():
+    for label, history in runs.items():
         ax_train.plot(*_curve(history, "loss"), label=label, alpha=0.8)
-        ax_eval.plot(*zip(*eval_curve), marker="o", label=label)
+        evals = [h for h in history if eval_key in h]
+        ax_eval.plot([h["step"] for h in evals], [h[eval_key] for h in evals], marker="o", label=label)
     ax_train.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss (nats)",
                  yscale="log")
     ax_eval.set(title="eval loss: NLL of the correct answers", xlabel="step",

@@ -90,15 +90,19 @@ def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, al
                       compute_dtype=None):
     """(student params, batch, teacher params) -> (sum of per-example losses, B, metrics).
 
-    The teacher runs in the same step, frozen: no gradient flows into it.
+    The teacher runs in the same step, frozen: no gradient flows into it. With
+    `alpha=0` (hard labels only, through the same per-example reduction) it is skipped.
     """
 
     def objective(params, batch, teacher_params):
         student_logits = model_lib.apply(student_graphdef, cast_floats(params, compute_dtype),
                                          batch["inputs"], batch["attention_mask"])
-        teacher_logits = lax.stop_gradient(model_lib.apply(
-            teacher_graphdef, cast_floats(teacher_params, compute_dtype), batch["inputs"],
-            batch["attention_mask"]))
+        if alpha == 0.0:  # hard labels only: the soft term has weight 0, skip the teacher
+            teacher_logits = lax.stop_gradient(student_logits)
+        else:
+            teacher_logits = lax.stop_gradient(model_lib.apply(
+                teacher_graphdef, cast_floats(teacher_params, compute_dtype), batch["inputs"],
+                batch["attention_mask"]))
         mean_loss, metrics = losses.distillation_loss(
             student_logits, teacher_logits, batch["targets"], batch["loss_mask"],
             temperature=temperature, alpha=alpha)
@@ -179,14 +183,16 @@ def dpo_objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.
 
 
 def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit",
-              all_reduce: bool = True):
+              all_reduce: bool = True, donate: bool = False):
     """A compiled training step for `objective`, under `jit` (one device) or `pmap`.
 
     Under pmap, params/opt_state/frozen are replicated and the batch is sharded
     (`tunix_nb.parallel`); loss sums, weights and gradients are psum'd over devices
     before the division, so every device applies the global batch's update.
     `all_reduce=False` drops that psum (each device then trains on its own shard): it
-    exists only to measure what the all-reduce costs.
+    exists only to measure what the all-reduce costs. `donate=True` lets XLA reuse the
+    input params/opt_state buffers for the outputs (less memory on an accelerator), but
+    then the arrays passed in are deleted by the call.
     """
     if parallel_mode not in PARALLEL_MODES:
         raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
@@ -208,9 +214,10 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
         metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), **metrics}
         return params, opt_state, metrics
 
+    donate_argnums = (0, 1) if donate else ()
     if axis is None:
-        return jax.jit(step, donate_argnums=(0, 1))
-    return jax.pmap(step, axis_name=axis, donate_argnums=(0, 1))
+        return jax.jit(step, donate_argnums=donate_argnums)
+    return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
 
 
 def init_opt_state(optimizer, params):
@@ -222,20 +229,23 @@ def init_opt_state(optimizer, params):
 
 def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: int, start_step: int = 0,
         parallel_mode: str = "jit", frozen=None, desc: str = "train", progress: bool = True,
-        on_step: Callable[[int, dict], None] | None = None):
+        on_step: Callable[[int, dict], None] | None = None,
+        eval_fn: Callable[[object], dict] | None = None, eval_every: int = 0):
     """Run `steps` steps from `start_step`; returns (params, opt_state, history).
 
     `batch_fn(step)` gives the global batch for a step. Under pmap the state is
     replicated once and the batches sharded here, and the returned state is back on
-    one device. `history` is a list of per-step metric dicts of Python floats.
+    one device. `history` is a list of per-step metric dicts of Python floats; every
+    `eval_every` steps, `eval_fn(params)` adds its metrics (e.g. "eval/loss") to that
+    step's dict. A tqdm progress bar shows the loss.
     """
     n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
     if parallel_mode == "pmap":
         params, opt_state, frozen = parallel.replicate((params, opt_state, frozen), n_devices)
-    else:  # the step donates its state buffers: keep the caller's arrays alive
+    else:  # a donating step deletes its inputs: keep the caller's arrays alive
         params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
     history = []
-    bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress, leave=False)
+    bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
     for step in bar:
         batch = batch_fn(step)
         if parallel_mode == "pmap":
@@ -249,6 +259,8 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
                 f"Loss became {record['loss']} at step {step + 1}; lower the learning rate "
                 "or check the batch (every row needs completion tokens)."
             )
+        if eval_fn is not None and eval_every and (step + 1) % eval_every == 0:
+            record.update(eval_fn(parallel.unreplicate(params) if parallel_mode == "pmap" else params))
         history.append(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}")
         if on_step is not None:
