@@ -50,3 +50,22 @@ def eval_loss(graphdef, params, arrays) -> float:
     """Token-mean NLL over completion tokens of a whole eval set (from `data.sft_arrays`)."""
     nll_sum, count = _nll_sum_and_count(graphdef, params, arrays)
     return float(nll_sum / count)
+
+
+def dpo_metrics(graphdef, params, pairs_with_ref, *, beta=0.1, loss_type="sigmoid",
+                length_normalize=False) -> dict:
+    """DPO loss and reward metrics of a policy on held-out pairs, under "eval/" keys.
+
+    `pairs_with_ref` comes from `train.reference_log_probs` (cached reference values).
+    """
+    objective = _jitted_dpo_objective(graphdef, beta, loss_type, length_normalize)
+    loss_sum, n, metrics = objective(params, pairs_with_ref)
+    return {"eval/loss": float(loss_sum / n), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_dpo_objective(graphdef, beta, loss_type, length_normalize):
+    from tunix_nb import train  # the training objective, evaluated; train never imports this module
+
+    return jax.jit(train.dpo_objective(graphdef, beta=beta, loss_type=loss_type,
+                                       length_normalize=length_normalize))

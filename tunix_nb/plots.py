@@ -188,3 +188,159 @@ def plot_distillation_comparison(runs: dict, *, title: str, eval_key: str = "eva
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------------------------------- DPO
+
+
+def dpo_loss_curve(h_N, beta: float, loss_type: str, label_smoothing: float = 0.0):
+    """Per-pair DPO loss and gradient weight at each margin h -> (loss_N, weight_N).
+
+    h = (pi_c - pi_r) - (ref_c - ref_r) is the log-ratio margin of one preference
+    pair (nats). The loss is `tunix_nb.losses.dpo_loss` of a one-pair batch with
+    pi_c = h and the other three log-probs 0 (dpo_loss averages over the batch, so it
+    is vmapped over points, one pair each); the weight is -d loss / d h (`jax.grad`,
+    vmapped): how hard a pair at margin h pushes the policy's margin up. Closed forms:
+
+        "sigmoid": beta * sigmoid(-beta h)     (eps = label_smoothing = 0)
+        "ipo":     -2 (h - 1/(2 beta))          (negative past the target: pulls back)
+        "hinge":   beta where beta h < 1, else 0
+
+    Returns float64 NumPy arrays with the shape of `h_N`.
+    """
+    import jax.numpy as jnp
+
+    from tunix_nb import losses
+
+    _check_dpo_args(beta, loss_type)
+    h = np.asarray(h_N, dtype=np.float64)
+    # label_smoothing stays a Python float, so dpo_loss checks it when this traces.
+    curve = _dpo_curve_fn(loss_type, float(label_smoothing))
+    loss_flat, weight_flat = curve(jnp.asarray(h.reshape(-1), jnp.float32),
+                                   jnp.float32(beta))
+    return (np.asarray(loss_flat, np.float64).reshape(h.shape),
+            np.asarray(weight_flat, np.float64).reshape(h.shape))
+
+
+_DPO_CURVE_FNS: dict = {}  # (loss_type, label_smoothing) -> jitted curve
+
+
+def _dpo_curve_fn(loss_type: str, label_smoothing: float):
+    """A jitted h_N, beta -> (loss_N, -dloss/dh_N), one per (loss type, smoothing).
+
+    beta is a traced argument (dpo_loss checks only Python numbers), so moving the
+    explorer's beta slider reuses the compiled function instead of retracing.
+    """
+    key = (loss_type, label_smoothing)
+    if key not in _DPO_CURVE_FNS:
+        _DPO_CURVE_FNS[key] = _make_dpo_curve_fn(loss_type, label_smoothing)
+    return _DPO_CURVE_FNS[key]
+
+
+def _make_dpo_curve_fn(loss_type: str, label_smoothing: float):
+    import jax
+    import jax.numpy as jnp
+
+    from tunix_nb import losses
+
+    def loss_at(h_scalar, beta):
+        zero_1 = jnp.zeros((1,), jnp.float32)
+        loss, _ = losses.dpo_loss(h_scalar[None], zero_1, zero_1, zero_1, beta=beta,
+                                  loss_type=loss_type, label_smoothing=label_smoothing)
+        return loss  # the mean over a one-pair batch: that pair's loss
+
+    def curve(h_N, beta):
+        loss_N = jax.vmap(loss_at, in_axes=(0, None))(h_N, beta)
+        weight_N = -jax.vmap(jax.grad(loss_at), in_axes=(0, None))(h_N, beta)
+        return loss_N, weight_N
+
+    return jax.jit(curve)
+
+
+def _check_dpo_args(beta, loss_type):
+    from tunix_nb import losses
+
+    if loss_type not in losses.DPO_LOSS_TYPES:
+        raise ValueError(
+            f"unknown DPO loss_type {loss_type!r}: choose one of {losses.DPO_LOSS_TYPES}"
+        )
+    if not isinstance(beta, (int, float, np.integer, np.floating)) or not beta > 0:
+        raise ValueError(f"beta must be a number > 0, got {beta!r}")
+
+
+def plot_dpo_loss(ax, beta: float, loss_type: str, h_range=(-20, 20), *,
+                  label_smoothing: float = 0.0, num_points: int = 401) -> dict:
+    """Draw the DPO loss and its gradient weight -dL/dh against the margin h.
+
+    The loss (solid, left y-axis of `ax`) and the weight (dashed, on a twin y-axis
+    on the right) over `num_points` margins in `h_range`, plus a vertical line at
+    h = 0 (policy == reference, where training starts). Both axes are cleared first,
+    so redrawing does not stack lines; the twin is made on the first call and kept
+    on `ax` (as `ax._dpo_twin_ax`), so later calls on the same `ax` reuse it.
+
+    Returns {"h", "loss", "weight"} (the drawn arrays), "loss_line", "weight_line",
+    "zero_line" (the artists) and "twin_ax".
+    """
+    _check_dpo_args(beta, loss_type)
+    if len(h_range) != 2 or not h_range[0] < 0 < h_range[1]:
+        raise ValueError(f"h_range must be (low, high) with low < 0 < high, got {h_range!r}")
+    h = np.linspace(float(h_range[0]), float(h_range[1]), int(num_points))
+    loss, weight = dpo_loss_curve(h, beta, loss_type, label_smoothing)
+
+    twin = getattr(ax, "_dpo_twin_ax", None)
+    if twin is None or twin.figure is not ax.figure or twin not in ax.figure.axes:
+        twin = ax.twinx()
+        ax._dpo_twin_ax = twin
+    ax.clear()
+    twin.clear()
+    # clear() resets what twinx() set up: put the twin's labels back on the right and
+    # keep its background transparent so it doesn't hide the loss curve.
+    twin.yaxis.tick_right()
+    twin.yaxis.set_label_position("right")
+    twin.yaxis.set_offset_position("right")
+    twin.patch.set_visible(False)
+
+    (loss_line,) = ax.plot(h, loss, color="C0", linewidth=2, label="loss")
+    zero_line = ax.axvline(0.0, color="gray", linestyle=":", linewidth=1,
+                           label="h = 0: policy = reference")
+    (weight_line,) = twin.plot(h, weight, color="C1", linestyle="--", linewidth=2,
+                               label="gradient weight −dL/dh")
+    twin.axhline(0.0, color="C1", linewidth=0.5, alpha=0.5)
+    ax.set_xlim(h[0], h[-1])
+    ax.set_xlabel("margin h = Δ log-ratio (nats)")
+    ax.set_ylabel("loss", color="C0")
+    twin.set_ylabel("gradient weight −dL/dh", color="C1")
+    smoothing = f", ε = {label_smoothing:g}" if label_smoothing else ""
+    ax.set_title(f"DPO loss_type = {loss_type!r}, β = {beta:g}{smoothing}", fontsize=10)
+    # On the twin, which is drawn above `ax`, so the dashed weight line can't cross it.
+    twin.legend(handles=[loss_line, weight_line, zero_line], loc="upper right", fontsize=8)
+    return {"h": h, "loss": loss, "weight": weight, "loss_line": loss_line,
+            "weight_line": weight_line, "zero_line": zero_line, "twin_ax": twin}
+
+
+def plot_dpo_training(history, *, title: str):
+    """DPO training loss, and held-out loss, reward accuracy and margin (from `eval/` keys)."""
+    fig, (ax_loss, ax_acc, ax_margin) = plt.subplots(1, 3, figsize=(11, 3))
+    evals = [h for h in history if "eval/loss" in h]
+    eval_steps = [h["step"] for h in evals]
+    ax_loss.plot(*_curve(history, "loss"), alpha=0.6, label="training batches")
+    ax_loss.plot(eval_steps, [h["eval/loss"] for h in evals], marker="o", label="held-out pairs")
+    ax_loss.axhline(np.log(2), color="gray", linestyle=":", label="ln 2 (policy = reference)")
+    ax_loss.set(title="DPO loss", xlabel="step", ylabel="loss per pair (nats)")
+    ax_loss.legend(fontsize=8)
+    ax_acc.plot(eval_steps, [100 * h["eval/rewards/accuracy"] for h in evals], marker="o")
+    ax_acc.set(title="held-out reward accuracy", xlabel="step", ylabel="chosen reward > rejected (%)",
+               ylim=(0, 100))
+    ax_margin.plot(eval_steps, [h["eval/rewards/margin"] for h in evals], marker="o")
+    ax_margin.set(title="held-out reward margin", xlabel="step", ylabel="β·h (nats)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_logps(ax, history, *, title: str):
+    """The policy's mean log-probs of chosen and rejected answers over training steps."""
+    lines = [ax.plot(*_curve(history, f"logps/{side}"), label=side)[0] for side in ("chosen", "rejected")]
+    ax.set(title=title, xlabel="step", ylabel="log-prob of the answer (nats)")
+    ax.legend()
+    return lines
