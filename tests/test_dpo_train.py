@@ -81,3 +81,20 @@ def test_pmap_dpo_matches_single_device_after_10_steps(setup, loss_type):
 def test_unknown_loss_type_is_refused_when_building():
     with pytest.raises(ValueError, match="Unknown loss_type 'kto'"):
         train.dpo_objective(None, loss_type="kto")
+
+
+def test_sft_weight_adds_the_chosen_per_token_nll(setup):
+    graphdef, params, pairs = setup
+    b = batch(pairs, 1)
+    plain = train.dpo_objective(graphdef)(params, b)
+    rpo = train.dpo_objective(graphdef, sft_weight=0.5)(params, b)
+    chosen, _ = train.pair_log_probs(graphdef, params, b)
+    nll_per_token = -(chosen / b["chosen_loss_mask"].sum(-1)).mean()
+    np.testing.assert_allclose(rpo[0] / rpo[1], plain[0] / plain[1] + 0.5 * nll_per_token, rtol=1e-5)
+    np.testing.assert_allclose(rpo[2]["sft/chosen_nll"], nll_per_token, rtol=1e-5)
+
+
+def test_auto_compute_dtype_is_float32_on_cpu():
+    assert train.resolve_compute_dtype("auto") is None
+    assert train.resolve_compute_dtype("bfloat16") == "bfloat16"
+    assert train.resolve_compute_dtype(jnp.float32) is None

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     optimizer = train.make_optimizer(train.OptimizerConfig(
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps))
     opt_state = optimizer.init(params)
-    dtype = None if compute_dtype == "float32" else compute_dtype
+    dtype = train.resolve_compute_dtype(compute_dtype)
     frozen = None
     if args.command == "sft":
         objective = train.sft_objective(graphdef, compute_dtype=dtype)

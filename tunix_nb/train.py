@@ -24,7 +24,7 @@ import optax
 from jax import lax
 from tqdm.auto import tqdm
 
-from tunix_nb import losses, parallel
+from tunix_nb import devices, losses, parallel
 from tunix_nb import model as model_lib
 
 PARALLEL_MODES = ("jit", "pmap")
@@ -61,6 +61,13 @@ def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTr
     )
 
 
+def resolve_compute_dtype(compute_dtype="auto"):
+    """"auto": the backend's default (bfloat16 on TPU/GPU, float32 = None on CPU)."""
+    if compute_dtype == "auto":
+        compute_dtype = devices.defaults_for().compute_dtype
+    return None if compute_dtype in (None, "float32", jnp.float32) else compute_dtype
+
+
 def cast_floats(tree, dtype):
     """Mixed precision: a compute copy of the float leaves in `dtype` (None: unchanged).
 
@@ -74,8 +81,13 @@ def cast_floats(tree, dtype):
 # ------------------------------------------------------------------------ objectives
 
 
-def sft_objective(graphdef, *, compute_dtype=None):
-    """(params, batch, frozen) -> (NLL summed over completion tokens, token count, {})."""
+def sft_objective(graphdef, *, compute_dtype="auto"):
+    """(params, batch, frozen) -> (NLL summed over completion tokens, token count, {}).
+
+    `compute_dtype`: "auto" computes in bfloat16 on TPU/GPU and float32 on CPU, with
+    float32 parameters either way; pass jnp.float32 or jnp.bfloat16 to choose.
+    """
+    compute_dtype = resolve_compute_dtype(compute_dtype)
 
     def objective(params, batch, frozen=None):
         logits = model_lib.apply(graphdef, cast_floats(params, compute_dtype), batch["inputs"],
@@ -87,12 +99,13 @@ def sft_objective(graphdef, *, compute_dtype=None):
 
 
 def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, alpha=0.5,
-                      compute_dtype=None):
+                      compute_dtype="auto"):
     """(student params, batch, teacher params) -> (sum of per-example losses, B, metrics).
 
     The teacher runs in the same step, frozen: no gradient flows into it. With
     `alpha=0` (hard labels only, through the same per-example reduction) it is skipped.
     """
+    compute_dtype = resolve_compute_dtype(compute_dtype)
 
     def objective(params, batch, teacher_params):
         student_logits = model_lib.apply(student_graphdef, cast_floats(params, compute_dtype),
@@ -152,12 +165,15 @@ def reference_log_probs(graphdef, params, pair_arrays, *, length_normalize=False
 
 
 def dpo_objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
-                  length_normalize=False, cached_reference=True, compute_dtype=None):
+                  length_normalize=False, cached_reference=True, sft_weight=0.0, compute_dtype="auto"):
     """(policy params, batch, reference params or None) -> (sum of pair losses, B, metrics).
 
     With `cached_reference` the batch carries `ref_chosen_logps`/`ref_rejected_logps`
     (from `reference_log_probs`); otherwise the frozen reference model runs in the step.
+    `sft_weight > 0` adds that multiple of the chosen answers' per-token NLL (RPO, as
+    TRL's `rpo_alpha`): it keeps the chosen answers likely while the margin grows.
     """
+    compute_dtype = resolve_compute_dtype(compute_dtype)
     if loss_type not in losses.DPO_LOSS_TYPES:
         raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {losses.DPO_LOSS_TYPES}.")
 
@@ -173,6 +189,11 @@ def dpo_objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.
         loss, metrics = losses.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=beta, loss_type=loss_type,
                                         label_smoothing=label_smoothing)
         metrics = {**metrics, "logps/chosen": pi_c.mean(), "logps/rejected": pi_r.mean()}
+        if sft_weight:
+            per_token = pi_c if length_normalize else pi_c / jnp.maximum(batch["chosen_loss_mask"].sum(-1), 1.0)
+            chosen_nll = -per_token.mean()
+            loss = loss + sft_weight * chosen_nll
+            metrics["sft/chosen_nll"] = chosen_nll
         n = pi_c.shape[0]
         return loss * n, jnp.float32(n), jax.tree.map(lax.stop_gradient, metrics)
 
