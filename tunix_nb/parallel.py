@@ -1,16 +1,23 @@
-"""pmap helpers for current JAX: replicate, unreplicate, shard a batch.
+"""pmap helpers for current JAX (replicate, unreplicate, shard a batch), meshes and shardings.
 
 JAX 0.10 removed `jax.device_put_replicated` and `jax.device_put_sharded`. Since JAX 0.8
 `pmap` is built on `jit` + `shard_map`, and its inputs are ordinary arrays whose
 leading axis is split over the devices by a `NamedSharding`. These helpers build such
 arrays directly, with one copy (or one slice) per device and no gather on the host.
+
+pmap's successors (`jax.shard_map`, and `jax.jit` with shardings) run on a `Mesh` and
+take arrays without a device axis; the second half of this module builds those meshes
+and shardings: replicated or FSDP-sharded state, a row-sharded batch, and a gather
+back to one device.
 """
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DEVICE_AXIS = "devices"  # the name of the leading device axis of pmapped arrays
 
@@ -59,12 +66,135 @@ def shard_batch(batch, n_devices: int | None = None):
 
     def put(x):
         x = np.asarray(x)
-        if x.shape[0] % n:
-            raise ValueError(
-                f"The global batch of {x.shape[0]} rows does not divide by the {n} devices. "
-                f"Use a batch size that is a multiple of {n} (e.g. {(x.shape[0] // n + 1) * n}), "
-                "or run on fewer devices."
-            )
+        _check_rows(x, n)
         return jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), sharding)
 
     return jax.tree.map(put, batch)
+
+
+# ------------------------------------------------------------------ meshes and shardings
+#
+# pmap's successors take arrays *without* a leading device axis. A `Mesh` names the
+# devices ("data" here), and a `NamedSharding(mesh, PartitionSpec(...))` says how each
+# array lies on it: P() replicated (a full copy per device), P("data") split along the
+# leading axis, P(None, "data") split along the second axis, ...
+
+MESH_AXIS = "data"  # the name of the mesh axis the batch (and, for FSDP, the state) is split over
+MESH_MODES = ("shard_map", "dp", "fsdp")  # strategies that run on a Mesh
+
+
+def make_mesh(n_devices: int | None = None, axis: str = MESH_AXIS) -> Mesh:
+    """A 1-D mesh over the first `n_devices` devices (default: all), axis named `axis`.
+
+    Its axis type is `Auto`: shardings are hints for the compiler, which inserts the
+    collectives (JAX 0.10's `jax.make_mesh` defaults to `Explicit`, sharding-in-types).
+    """
+    have = jax.devices()
+    n = len(have) if n_devices is None else n_devices
+    if not 1 <= n <= len(have):
+        raise ValueError(
+            f"Asked for {n} devices but JAX has {len(have)} device(s). Use n_devices <= "
+            f"{len(have)}, or restart with more simulated devices (tunix_nb.devices.simulate_cpu_devices)."
+        )
+    return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=have[:n])
+
+
+def _axis_size(mesh: Mesh, axis: str = MESH_AXIS) -> int:
+    return mesh.shape[axis]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device of the mesh: P()."""
+    return NamedSharding(mesh, P())
+
+
+def data_sharding(mesh: Mesh, axis: str = MESH_AXIS) -> NamedSharding:
+    """The leading (batch) axis split over the mesh axis: P("data")."""
+    return NamedSharding(mesh, P(axis))
+
+
+def fsdp_spec(shape, n: int, axis: str = MESH_AXIS) -> P:
+    """The FSDP rule for one array: split its largest dimension that divides by `n`.
+
+    Ties go to the first such dimension. Arrays with no such dimension (scalars such
+    as Adam's step count, or odd sizes such as a 259-token vocabulary axis alone) stay
+    replicated. E.g. with n = 8: [259, 32] -> P(None, "data"); [64, 32] -> P("data");
+    [7] -> P().
+    """
+    best = None
+    for i, size in enumerate(shape):
+        if size >= n and size % n == 0 and (best is None or size > shape[best]):
+            best = i
+    if best is None:
+        return P()
+    return P(*([None] * best), axis)
+
+
+def fsdp_shardings(tree, mesh: Mesh, axis: str = MESH_AXIS):
+    """A NamedSharding per leaf of `tree` (arrays or shape-dtype structs) by `fsdp_spec`."""
+    n = _axis_size(mesh, axis)
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), n, axis)), tree)
+
+
+def state_shardings(tree, mesh: Mesh, parallel_mode: str):
+    """Shardings of the training state (params, optimizer state, frozen params).
+
+    "fsdp": split by `fsdp_spec`; "shard_map" and "dp": replicated on every device.
+    """
+    if parallel_mode == "fsdp":
+        return fsdp_shardings(tree, mesh)
+    if parallel_mode in ("shard_map", "dp"):
+        return jax.tree.map(lambda _: replicated(mesh), tree)
+    raise ValueError(f"Unknown mesh strategy {parallel_mode!r}; choose one of {MESH_MODES}.")
+
+
+def place_state(tree, mesh: Mesh, parallel_mode: str):
+    """Put the training state on the mesh as `parallel_mode` wants it (a copy, never an alias).
+
+    A copy, so that a donating step cannot delete the caller's arrays.
+    """
+    return jax.device_put(tree, state_shardings(tree, mesh, parallel_mode), may_alias=False)
+
+
+def _check_rows(x, n: int) -> None:
+    rows = np.shape(x)[0]
+    if rows % n:
+        raise ValueError(
+            f"The global batch of {rows} rows does not divide by the {n} devices. "
+            f"Use a batch size that is a multiple of {n} (e.g. {(rows // n + 1) * n}), "
+            "or run on fewer devices."
+        )
+
+
+def place_batch(batch, mesh: Mesh, axis: str = MESH_AXIS):
+    """Split a global batch's rows over the mesh: leaf [B, ...] stays [B, ...], sharded P("data").
+
+    Device i holds rows i*B/n ... (i+1)*B/n - 1, as with `shard_batch`, but there is no
+    leading device axis: the array is still the global batch.
+    """
+    n = _axis_size(mesh, axis)
+    sharding = data_sharding(mesh, axis)
+
+    def put(x):
+        _check_rows(x, n)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(put, batch)
+
+
+def gather(tree):
+    """Every leaf whole on (local) device 0: undoes any mesh placement (all-gathers FSDP shards).
+
+    What a strategy-independent caller (checkpoints, evaluation) wants back.
+    """
+    device0 = jax.local_devices()[0]
+    return jax.tree.map(lambda x: jax.device_put(x, device0), tree)
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes} that each device holds of `tree`'s arrays, from their shards."""
+    held = collections.Counter()
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return dict(sorted(held.items(), key=lambda kv: kv[0].id))

@@ -344,3 +344,55 @@ def plot_logps(ax, history, *, title: str):
     ax.set(title=title, xlabel="step", ylabel="log-prob of the answer (nats)")
     ax.legend()
     return lines
+
+
+def save_bench_plots(results: dict, out_dir) -> list:
+    """The benchmark figures of `python -m tunix_nb.bench` as PNG files; returns their paths."""
+    from pathlib import Path
+
+    figures, paths = results["figures"], []
+    where = f"{results['machine']['backend']} · {results['machine']['device_kind']} · " \
+            f"{results['machine']['cpu_count']} CPU cores"
+
+    def save(fig, name):
+        path = Path(out_dir) / name
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+
+    if "vmap_speedup_over_loop" in figures:
+        curve = figures["vmap_speedup_over_loop"]["curve"]
+        sizes = sorted(int(b) for b in curve)
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(sizes, [curve[str(b) if str(b) in curve else b]["loop_over_vmap"] for b in sizes], marker="o",
+                label="Python loop / vmap")
+        ax.plot(sizes, [curve[str(b) if str(b) in curve else b]["vmap_over_batched"] for b in sizes], marker="s",
+                label="vmap / hand-batched")
+        ax.axhline(1.0, color="gray", linestyle=":")
+        ax.set(xscale="log", yscale="log", xlabel="batch size B (examples)", ylabel="time ratio",
+               title=f"Per-example KL loss: loop vs vmap vs batched\n{where}")
+        ax.legend()
+        save(fig, "vmap_speedup.png")
+    if "dp_overhead" in figures:
+        table = figures["dp_overhead"]["per_strategy"]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        for mode, by_n in table.items():
+            ns = sorted(int(n) for n in by_n)
+            ax.plot(ns, [by_n[str(n) if str(n) in by_n else n] for n in ns], marker="o", label=mode)
+        ax.axhline(1.0, color="gray", linestyle=":", label="jit, 1 device")
+        ax.axhline(figures["dp_overhead"]["target"], color="red", linestyle="--", label="target")
+        ax.set(xscale="log", xlabel="devices", ylabel="step time / 1-device jit step",
+               title=f"Data-parallel SFT step, same global batch (64)\n{where}")
+        ax.legend()
+        save(fig, "dp_overhead.png")
+    summary = [(n, f) for n, f in figures.items() if f.get("target") is not None]
+    if summary:
+        fig, ax = plt.subplots(figsize=(7, 0.45 * len(summary) + 1))
+        names = [n for n, _ in summary]
+        ratios = [f["value"] / f["target"] for _, f in summary]
+        colors = ["tab:green" if f["meets_target"] else "tab:red" for _, f in summary]
+        ax.barh(names, ratios, color=colors)
+        ax.axvline(1.0, color="black", linestyle=":")
+        ax.set(xlabel="figure / its target (green: meets it)", title=f"Benchmark figures against targets\n{where}")
+        save(fig, "targets.png")
+    return paths

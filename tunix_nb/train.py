@@ -8,8 +8,22 @@ from `tunix_nb.data.batch_at(seed, step)`.
 Every objective returns `(loss_sum, weight, metrics)`: the loss over the batch is
 `loss_sum / weight`. For SFT that is (NLL summed over completion tokens, number of
 completion tokens); for per-example losses it is (sum over examples, examples). Under
-`pmap` the step psums both before dividing, so the loss and the gradients are those of
-the *global* batch, exactly as on one device, however the tokens fall across devices.
+`pmap` and `shard_map` the step psums both before dividing, so the loss and the
+gradients are those of the *global* batch, exactly as on one device, however the
+tokens fall across devices. Under `dp` and `fsdp` (jit on a mesh) the step sees the
+global batch as one array, so it divides once, as on one device, and XLA inserts the
+collectives.
+
+Parallel strategies (`PARALLEL_MODES`), all with the same step body:
+- "jit": one device.
+- "pmap": per-device code; state replicated with a leading device axis, batch
+  [n, B/n, ...]; explicit psum. Legacy, kept because lesson 03 teaches it.
+- "shard_map": per-device code on a Mesh; state replicated P(), batch rows split
+  P("data"), no device axis; explicit psum. pmap's direct successor.
+- "dp": jit with NamedShardings; state replicated, batch rows split; the all-reduce
+  is inserted by XLA.
+- "fsdp": as dp, but params and optimizer state split over the mesh
+  (`parallel.fsdp_spec`); XLA all-gathers the params and reduce-scatters the grads.
 """
 
 from __future__ import annotations
@@ -22,12 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from tunix_nb import devices, losses, parallel
 from tunix_nb import model as model_lib
 
-PARALLEL_MODES = ("jit", "pmap")
+PARALLEL_MODES = ("jit", "pmap", "shard_map", "dp", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,20 +219,27 @@ def dpo_objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.
 
 
 def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit",
-              all_reduce: bool = True, donate: bool = False):
-    """A compiled training step for `objective`, under `jit` (one device) or `pmap`.
+              all_reduce: bool = True, donate: bool = False, mesh=None):
+    """A compiled training step for `objective` under one of `PARALLEL_MODES`.
 
     Under pmap, params/opt_state/frozen are replicated and the batch is sharded
     (`tunix_nb.parallel`); loss sums, weights and gradients are psum'd over devices
-    before the division, so every device applies the global batch's update.
-    `all_reduce=False` drops that psum (each device then trains on its own shard): it
-    exists only to measure what the all-reduce costs. `donate=True` lets XLA reuse the
-    input params/opt_state buffers for the outputs (less memory on an accelerator), but
-    then the arrays passed in are deleted by the call.
+    before the division, so every device applies the global batch's update. shard_map
+    runs the same per-device body on a Mesh, without the leading device axis. dp and
+    fsdp compile the single-device body with `jax.jit` and shardings on a Mesh. For the
+    mesh strategies `mesh` defaults to `parallel.make_mesh()` (all devices), and the
+    result is a `MeshStep` (call it like a function; it carries `.mesh`).
+    `all_reduce=False` (pmap, shard_map) drops the psum (each device then trains on its
+    own shard): it exists only to measure what the all-reduce costs. `donate=True` lets
+    XLA reuse the input params/opt_state buffers for the outputs (less memory on an
+    accelerator), but then the arrays passed in are deleted by the call.
     """
     if parallel_mode not in PARALLEL_MODES:
         raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
-    axis = parallel.DEVICE_AXIS if parallel_mode == "pmap" else None
+    if not all_reduce and parallel_mode in ("dp", "fsdp"):
+        raise ValueError(f"all_reduce=False needs per-device code (pmap or shard_map); under {parallel_mode!r} "
+                         "the step sees the global batch and XLA inserts the collectives.")
+    axis = {"pmap": parallel.DEVICE_AXIS, "shard_map": parallel.MESH_AXIS}.get(parallel_mode)
 
     def step(params, opt_state, batch, frozen=None):
         def local_loss_sum(p):
@@ -236,9 +258,59 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
         return params, opt_state, metrics
 
     donate_argnums = (0, 1) if donate else ()
-    if axis is None:
+    if parallel_mode == "jit":
         return jax.jit(step, donate_argnums=donate_argnums)
-    return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
+    if parallel_mode == "pmap":
+        return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
+    return MeshStep(step, parallel.make_mesh() if mesh is None else mesh, parallel_mode,
+                    donate_argnums=donate_argnums)
+
+
+class MeshStep:
+    """A step on a device mesh: "shard_map", "dp" or "fsdp". Call it like the step.
+
+    The state's shardings depend on its shapes (FSDP splits each array by its own
+    shape), so the jitted function is built at the first call, with `in_shardings`
+    and `out_shardings` that keep the state where it is: replicated for shard_map/dp,
+    split for fsdp. The inputs must already lie that way (`parallel.place_state`,
+    `parallel.place_batch`; `train.run` does it); metrics come back replicated.
+    """
+
+    def __init__(self, step, mesh, parallel_mode, *, donate_argnums=()):
+        if parallel_mode not in parallel.MESH_MODES:
+            raise ValueError(f"MeshStep runs {parallel.MESH_MODES}, not {parallel_mode!r}.")
+        self.step, self.mesh, self.parallel_mode = step, mesh, parallel_mode
+        self.donate_argnums = donate_argnums
+        self._compiled = {}
+
+    def shardings(self, params, opt_state, frozen=None):
+        """(in_shardings, out_shardings) for these arguments: the state placed per strategy."""
+        state = parallel.state_shardings((params, opt_state, frozen), self.mesh, self.parallel_mode)
+        rep = parallel.replicated(self.mesh)
+        in_shardings = (state[0], state[1], parallel.data_sharding(self.mesh), state[2])
+        return in_shardings, (state[0], state[1], rep)
+
+    def jitted(self, params, opt_state, frozen=None):
+        """The jitted function for these arguments' shapes (e.g. to `.lower(...)` it)."""
+        key = jax.tree.structure((params, opt_state, frozen)), tuple(
+            np.shape(x) for x in jax.tree.leaves((params, opt_state, frozen)))
+        if key not in self._compiled:
+            in_shardings, out_shardings = self.shardings(params, opt_state, frozen)
+            fn = self.step
+            if self.parallel_mode == "shard_map":
+                # Per-device code, like pmap: check_vma=False keeps pmap's semantics (the
+                # gradient of replicated params is the local one, and the step psums it).
+                fn = jax.shard_map(fn, mesh=self.mesh, check_vma=False,
+                                   in_specs=(P(), P(), P(parallel.MESH_AXIS), P()), out_specs=P())
+            self._compiled[key] = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                          donate_argnums=self.donate_argnums)
+        return self._compiled[key]
+
+    def __call__(self, params, opt_state, batch, frozen=None):
+        return self.jitted(params, opt_state, frozen)(params, opt_state, batch, frozen)
+
+    def __repr__(self):
+        return f"MeshStep({self.parallel_mode!r}, mesh={dict(self.mesh.shape)})"
 
 
 def init_opt_state(optimizer, params):
@@ -255,22 +327,43 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     """Run `steps` steps from `start_step`; returns (params, opt_state, history).
 
     `batch_fn(step)` gives the global batch for a step. Under pmap the state is
-    replicated once and the batches sharded here, and the returned state is back on
-    one device. `history` is a list of per-step metric dicts of Python floats; every
-    `eval_every` steps, `eval_fn(params)` adds its metrics (e.g. "eval/loss") to that
-    step's dict. A tqdm progress bar shows the loss.
+    replicated once and the batches sharded here; under shard_map/dp/fsdp they are
+    placed on the step's mesh (`step_fn.mesh`, else all devices). Whatever the
+    strategy, the returned state is whole on one device, so checkpoints and evaluation
+    need not know which strategy ran. `history` is a list of per-step metric dicts of
+    Python floats; every `eval_every` steps, `eval_fn(params)` (params on one device)
+    adds its metrics (e.g. "eval/loss") to that step's dict. A tqdm progress bar shows
+    the loss.
     """
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
+    built_for = getattr(step_fn, "parallel_mode", parallel_mode)
+    if built_for != parallel_mode:
+        raise ValueError(f"The step was built for parallel_mode={built_for!r} but run() was given "
+                         f"{parallel_mode!r}; pass the same mode to make_step and run.")
+    on_mesh = parallel_mode in parallel.MESH_MODES
+    mesh = (getattr(step_fn, "mesh", None) or parallel.make_mesh()) if on_mesh else None
     n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
     if parallel_mode == "pmap":
         params, opt_state, frozen = parallel.replicate((params, opt_state, frozen), n_devices)
+    elif on_mesh:  # copies, placed as the strategy wants them
+        params, opt_state, frozen = parallel.place_state((params, opt_state, frozen), mesh, parallel_mode)
     else:  # a donating step deletes its inputs: keep the caller's arrays alive
         params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+
+    def on_one_device(tree):
+        if parallel_mode == "pmap":
+            return parallel.unreplicate(tree)
+        return parallel.gather(tree) if on_mesh else tree
+
     history = []
     bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
     for step in bar:
         batch = batch_fn(step)
         if parallel_mode == "pmap":
             batch = parallel.shard_batch(batch, n_devices)
+        elif on_mesh:
+            batch = parallel.place_batch(batch, mesh)
         params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
         if parallel_mode == "pmap":
             metrics = parallel.unreplicate(metrics)
@@ -281,13 +374,12 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
                 "or check the batch (every row needs completion tokens)."
             )
         if eval_fn is not None and eval_every and (step + 1) % eval_every == 0:
-            record.update(eval_fn(parallel.unreplicate(params) if parallel_mode == "pmap" else params))
+            record.update(eval_fn(on_one_device(params)))
         history.append(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}")
         if on_step is not None:
             on_step(step + 1, record)
-    if parallel_mode == "pmap":
-        params, opt_state = parallel.unreplicate((params, opt_state))
+    params, opt_state = on_one_device((params, opt_state))
     return params, opt_state, history
 
 

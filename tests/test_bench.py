@@ -1,0 +1,70 @@
+"""python -m tunix_nb.bench --quick runs every figure and writes a valid bench.json."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tunix_nb import bench
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--quick", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=400, cwd=out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, json.loads((out / "bench.json").read_text()), run.stdout
+
+
+def test_every_figure_is_there_with_its_target(quick_results):
+    _, results, stdout = quick_results
+    assert set(results["figures"]) == set(bench.FIGURES)
+    for name, fig in results["figures"].items():
+        _, target, kind = bench.FIGURES[name]
+        assert isinstance(fig["value"], float) and fig["value"] > 0, name
+        assert fig["target"] == target and fig["target_kind"] == kind
+        if target is not None:
+            assert fig["meets_target"] == (fig["value"] <= target if kind == "max" else fig["value"] >= target)
+        assert f"{name}: " in stdout
+
+
+def test_machine_and_settings_are_described(quick_results):
+    _, results, _ = quick_results
+    machine = results["machine"]
+    assert machine["backend"] == "cpu" and machine["device_count"] == 8 and machine["cpu_count"] >= 1
+    assert set(machine["versions"]) == {"jax", "flax", "optax", "orbax-checkpoint"}
+    assert results["settings"]["quick"] is True and results["settings"]["repeats"] >= 3
+
+
+def test_details_hold_the_measured_parts(quick_results):
+    _, results, _ = quick_results
+    figs = results["figures"]
+    assert {"1", "8", "64"} <= set(figs["vmap_speedup_over_loop"]["curve"])
+    assert figs["train_step_mfu"]["matmul_peak_flops_per_second"] > figs["train_step_mfu"]["achieved_flops_per_second"]
+    assert figs["ckpt_save_over_disk_bandwidth"]["state_bytes"] >= 16 * 2**20
+    assert {"pmap"} <= set(figs["dp_overhead"]["per_strategy"])
+    assert set(figs["compile_share"]["per_step"]) == {"02 distill step", "03 sft step", "04 dpo step"}
+
+
+def test_plots_are_written(quick_results):
+    out, _, _ = quick_results
+    for name in ("vmap_speedup.png", "dp_overhead.png", "targets.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
+def test_model_flops_formula_counts_matmuls():
+    from tunix_nb import model
+
+    cfg = model.get_config("tiny")  # d=32, 1 layer, ff=64, V=259
+    per_token_forward = 2 * (4 * 32 * 32 + 3 * 32 * 64) + 2 * 32 * 259 + 2 * 2 * 10 * 32
+    assert bench.model_flops_per_step(cfg, batch=2, seq_len=10) == 3 * per_token_forward * 2 * 10
+
+
+def test_bad_only_name_is_refused():
+    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--only", "speed"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "invalid choice: 'speed'" in run.stderr

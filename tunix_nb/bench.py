@@ -1,0 +1,397 @@
+"""Benchmarks behind lesson 07: `python -m tunix_nb.bench [--quick] [--only NAME] [--out DIR]`.
+
+Every figure is a ratio of two things timed side by side in the same run (medians over
+repeats, after warm-up), because a shared machine is noisy; absolute times are kept as
+details. Results go to DIR/bench.json (merged with what is there) and DIR/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tunix_nb import devices
+
+# figure name -> (group that measures it, target, "max" if the figure must stay below it)
+FIGURES = {
+    "vmap_speedup_over_loop": ("vmap", None, None),
+    "vmap_over_batched_ratio": ("vmap", 1.10, "max"),
+    "train_step_mfu": ("mfu", 0.40, "min"),
+    "dp_overhead": ("dp", 1.25, "max"),
+    "allreduce_share": ("dp", 0.05, "max"),
+    "ckpt_save_over_disk_bandwidth": ("ckpt", 0.5, "min"),
+    "async_block_share": ("ckpt", 0.10, "max"),
+    "ckpt_restore_seconds": ("ckpt", None, None),
+    "dpo_cached_ref_speedup": ("dpo", 1.25, "min"),
+    "compile_share": ("compile", None, None),
+}
+GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile")
+
+
+def median_seconds(fn, *, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of fn() (which returns arrays to wait for) after warm-up calls."""
+    import jax
+    import numpy as np
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def machine() -> dict:
+    import flax
+    import jax
+    import optax
+    import orbax.checkpoint as ocp
+
+    devs = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devs[0].device_kind, "device_count": len(devs),
+            "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+                         "orbax-checkpoint": ocp.__version__}}
+
+
+def _figure(name, value, **details):
+    _, target, kind = FIGURES[name]
+    meets = None if target is None else (value <= target if kind == "max" else value >= target)
+    return {name: {"value": value, "target": target, "target_kind": kind, "meets_target": meets, **details}}
+
+
+# ------------------------------------------------------------------------------ vmap
+
+
+def _kd_batched(s_BxLxV, t_BxLxV, y_BxL, m_BxL, temperature=2.0, alpha=0.5):
+    """The per-example distillation loss written by hand with a batch axis -> [B]."""
+    import jax
+    import jax.numpy as jnp
+
+    logq = jax.nn.log_softmax(s_BxLxV / temperature, axis=-1)
+    logp = jax.nn.log_softmax(t_BxLxV / temperature, axis=-1)
+    kl_BxL = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+    ce_BxL = -jnp.take_along_axis(jax.nn.log_softmax(s_BxLxV, axis=-1), y_BxL[..., None], axis=-1)[..., 0]
+    n_B = jnp.maximum(m_BxL.sum(-1), 1.0)
+    soft_B = temperature**2 * (kl_BxL * m_BxL).sum(-1) / n_B
+    return alpha * soft_B + (1 - alpha) * (ce_BxL * m_BxL).sum(-1) / n_B
+
+
+def bench_vmap(batch_sizes, repeats, seq_len=24, vocab=259):
+    import jax
+    import jax.numpy as jnp
+
+    from tunix_nb import losses
+
+    one = jax.jit(losses.kl_distillation_per_example)
+    vmapped = jax.jit(jax.vmap(losses.kl_distillation_per_example))
+    batched = jax.jit(_kd_batched)
+    curve = {}
+    for b in batch_sizes:
+        k1, k2, k3 = jax.random.split(jax.random.key(b), 3)
+        s = jax.random.normal(k1, (b, seq_len, vocab))
+        t = 3.0 * jax.random.normal(k2, (b, seq_len, vocab))
+        y = jax.random.randint(k3, (b, seq_len), 0, vocab)
+        m = (jnp.arange(seq_len) < 6).astype(jnp.float32)[None].repeat(b, 0)
+        loop = lambda: [one(s[i], t[i], y[i], m[i]) for i in range(b)]
+        times = {name: median_seconds(fn, repeats=repeats) for name, fn in
+                 (("loop", loop), ("vmap", lambda: vmapped(s, t, y, m)), ("batched", lambda: batched(s, t, y, m)))}
+        curve[b] = {**{f"{k}_seconds": v for k, v in times.items()},
+                    "loop_over_vmap": times["loop"] / times["vmap"], "vmap_over_batched": times["vmap"] / times["batched"]}
+    at = 64 if 64 in curve else max(curve)
+    shape = {"batch_size": at, "seq_len": seq_len, "vocab": vocab, "repeats": repeats}
+    return {**_figure("vmap_speedup_over_loop", curve[at]["loop_over_vmap"], **shape, curve=curve),
+            **_figure("vmap_over_batched_ratio", curve[at]["vmap_over_batched"], **shape)}
+
+
+# ------------------------------------------------------------------------------- mfu
+
+
+def model_flops_per_step(cfg, batch: int, seq_len: int) -> float:
+    """Analytic training FLOPs: 3 x forward (forward + 2x for backward), matmuls only."""
+    d, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    per_token = 2 * layers * (4 * d * d + 3 * d * f)  # q, k, v, out; gate, up, down
+    per_token += 2 * d * v                            # tied output head
+    per_token += layers * 2 * 2 * seq_len * d         # scores and weighted values (full L x L)
+    return 3.0 * per_token * batch * seq_len
+
+
+def bench_mfu(repeats, quick=False):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tunix_nb import model, train
+
+    n = 1024 if quick else 2048
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    peak = 2 * n**3 / median_seconds(lambda: matmul(a), repeats=repeats)
+    batch, seq_len = (4, 64) if quick else (8, 128)
+    cfg = model.get_config("student", d_model=256, n_layers=4, n_heads=4, d_ff=768)
+    graphdef, params = model.split(model.make_model(cfg, seed=0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
+    b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
+         "attention_mask": np.ones((batch, seq_len), np.int32)}
+    opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
+    step = train.make_step(train.sft_objective(graphdef), opt)
+    opt_state = opt.init(params)
+    seconds = median_seconds(lambda: step(params, opt_state, b), repeats=repeats)
+    xla_flops = step.lower(params, opt_state, b).compile().cost_analysis().get("flops")
+    flops = model_flops_per_step(cfg, batch, seq_len)
+    return _figure("train_step_mfu", flops / seconds / peak, step_seconds=seconds, model_flops_per_step=flops,
+                   xla_flops_per_step=xla_flops, achieved_flops_per_second=flops / seconds,
+                   matmul_peak_flops_per_second=peak, peak_matmul_size=n, repeats=repeats,
+                   model={"d_model": cfg.d_model, "n_layers": cfg.n_layers, "d_ff": cfg.d_ff,
+                          "params": model.count_params(params), "batch": batch, "seq_len": seq_len,
+                          "dtype": "float32"})
+
+
+# -------------------------------------------------------------------------------- dp
+
+
+def _sft_setup(batch_size=64):
+    from tunix_nb import data, model, train
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    rows = data.sft_arrays(data.load_sft()[:512], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    graphdef, params = model.split(model.make_model("student", seed=0))
+    opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
+    return graphdef, params, opt, data.batch_at(rows, 0, batch_size, seed=0)
+
+
+def _place(mode, state, batch, n_devices):
+    """State and batch laid out for a strategy on the first n_devices devices."""
+    from tunix_nb import parallel
+
+    if mode == "pmap":
+        return parallel.replicate(state, n_devices), parallel.shard_batch(batch, n_devices)
+    raise NotImplementedError(mode)
+
+
+def bench_dp(repeats, device_counts):
+    import jax
+
+    from tunix_nb import parallel, train
+
+    graphdef, params, opt, batch = _sft_setup()
+    objective = train.sft_objective(graphdef)
+    opt_state = opt.init(params)
+    jit_step = train.make_step(objective, opt)
+    t_jit = median_seconds(lambda: jit_step(params, opt_state, batch), repeats=repeats)
+    modes = [m for m in ("pmap", "shard_map", "dp") if m in train.PARALLEL_MODES]
+    table = {}
+    for mode in modes:
+        for n in device_counts:
+            if n > jax.local_device_count():
+                continue
+            step = train.make_step(objective, opt, parallel_mode=mode)
+            state, b = _place(mode, (params, opt_state), batch, n)
+            table.setdefault(mode, {})[n] = median_seconds(lambda: step(*state, b), repeats=repeats) / t_jit
+    n_max = max(n for n in device_counts if n <= jax.local_device_count())
+    state = parallel.replicate((params, opt_state), n_max)
+    b = parallel.shard_batch(batch, n_max)
+    with_ar = train.make_step(objective, opt, parallel_mode="pmap")
+    without_ar = train.make_step(objective, opt, parallel_mode="pmap", all_reduce=False)
+    t_with = median_seconds(lambda: with_ar(*state, b), repeats=repeats)
+    t_without = median_seconds(lambda: without_ar(*state, b), repeats=repeats)
+    worst = max(table[m][n_max] for m in table)
+    return {**_figure("dp_overhead", worst, at_devices=n_max, per_strategy=table, jit_step_seconds=t_jit,
+                      global_batch=64, repeats=repeats),
+            **_figure("allreduce_share", max(t_with - t_without, 0.0) / t_with, devices=n_max,
+                      step_seconds=t_with, step_without_allreduce_seconds=t_without, repeats=repeats)}
+
+
+# ------------------------------------------------------------------------------ ckpt
+
+
+def bench_ckpt(megabytes, repeats):
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from tunix_nb import checkpoint
+
+    n_arrays = 8
+    per = int(megabytes * 2**20 / 4 / n_arrays)
+    state = {f"w{i}": jax.numpy.asarray(np.random.default_rng(i).standard_normal(per, np.float32))
+             for i in range(n_arrays)}
+    nbytes = sum(x.nbytes for x in state.values())
+    sync_s, blocked_s, async_total_s, restore_s, disk_s = [], [], [], [], []
+    with tempfile.TemporaryDirectory(dir=".") as root:
+        payload = np.random.default_rng(0).bytes(nbytes)
+        for r in range(repeats):
+            path = Path(root) / f"disk{r}.bin"
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            disk_s.append(time.perf_counter() - t0)
+            path.unlink()
+            for async_save in (False, True):
+                manager = checkpoint.make_manager(Path(root) / f"ck{r}{async_save}", keep=1, async_save=async_save)
+                t0 = time.perf_counter()
+                manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(state)))
+                blocked = time.perf_counter() - t0
+                manager.wait_until_finished()
+                total = time.perf_counter() - t0
+                if async_save:
+                    blocked_s.append(blocked)
+                    async_total_s.append(total)
+                else:
+                    sync_s.append(total)
+                    t0 = time.perf_counter()
+                    restored = manager.restore(1, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+                    jax.block_until_ready(dict(restored["params"]))
+                    restore_s.append(time.perf_counter() - t0)
+                manager.close()
+    med = lambda xs: float(np.median(xs))
+    disk_bw, save_bw = nbytes / med(disk_s), nbytes / med(sync_s)
+    return {**_figure("ckpt_save_over_disk_bandwidth", save_bw / disk_bw, state_bytes=nbytes,
+                      save_bytes_per_second=save_bw, disk_write_bytes_per_second=disk_bw, repeats=repeats,
+                      note="disk bandwidth: one file of the same size written and fsync'd"),
+            **_figure("async_block_share", med(blocked_s) / med(sync_s), async_blocked_seconds=med(blocked_s),
+                      async_total_seconds=med(async_total_s), sync_seconds=med(sync_s), repeats=repeats),
+            **_figure("ckpt_restore_seconds", med(restore_s), state_bytes=nbytes,
+                      restore_bytes_per_second=nbytes / med(restore_s), repeats=repeats)}
+
+
+# ------------------------------------------------------------------------------- dpo
+
+
+def bench_dpo(repeats):
+    from tunix_nb import data, model, train
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    graphdef, params = model.split(model.make_model("student", seed=0))
+    pairs = data.preference_arrays(data.load_preferences()[:256], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    pairs = train.reference_log_probs(graphdef, params, pairs)
+    batch = data.batch_at(pairs, 0, 32, seed=0)
+    opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
+    opt_state = opt.init(params)
+    cached = train.make_step(train.dpo_objective(graphdef), opt)
+    recompute = train.make_step(train.dpo_objective(graphdef, cached_reference=False), opt)
+    t_cached = median_seconds(lambda: cached(params, opt_state, batch), repeats=repeats)
+    t_recompute = median_seconds(lambda: recompute(params, opt_state, batch, params), repeats=repeats)
+    return _figure("dpo_cached_ref_speedup", t_recompute / t_cached, cached_seconds=t_cached,
+                   recompute_seconds=t_recompute, pairs_per_step=32, repeats=repeats)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+def compile_times() -> dict:
+    """Compile and step seconds of each lesson's main step (runs in a child process too)."""
+    from tunix_nb import data, model, train
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    graphdef, params, opt, batch = _sft_setup()
+    opt_state = opt.init(params)
+    teacher_graphdef, teacher_params = model.split(model.make_model("teacher", seed=1))
+    pairs = data.preference_arrays(data.load_preferences()[:32], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    steps = {
+        "02 distill step": (train.distill_objective(graphdef, teacher_graphdef), batch, teacher_params),
+        "03 sft step": (train.sft_objective(graphdef), batch, None),
+        "04 dpo step": (train.dpo_objective(graphdef, cached_reference=False), pairs, params),
+    }
+    out = {}
+    for name, (objective, step_batch, frozen) in steps.items():
+        args = (params, opt_state, step_batch, frozen)
+        t0 = time.perf_counter()
+        compiled = train.make_step(objective, opt).lower(*args).compile()
+        compile_s = time.perf_counter() - t0
+        step_s = median_seconds(lambda: compiled(*args), repeats=5)
+        out[name] = {"compile_seconds": compile_s, "step_seconds": step_s, "compile_over_step": compile_s / step_s}
+    return out
+
+
+def bench_compile(quick=False):
+    first = compile_times()
+    figure = {"per_step": first}
+    if not quick:  # the persistent compilation cache, across two fresh processes
+        with tempfile.TemporaryDirectory(dir=".") as cache:
+            runs = [_compile_times_in_child(cache) for _ in range(2)]
+        figure["persistent_cache"] = {
+            "cold": runs[0], "warm": runs[1],
+            "warm_over_cold": {k: runs[1][k]["compile_seconds"] / runs[0][k]["compile_seconds"] for k in runs[0]}}
+    worst = max(v["compile_over_step"] for v in first.values())
+    return _figure("compile_share", worst, **figure)
+
+
+def _compile_times_in_child(cache_dir) -> dict:
+    code = ("import json, jax; from tunix_nb import devices; devices.simulate_cpu_devices(1); "
+            f"jax.config.update('jax_compilation_cache_dir', {str(cache_dir)!r}); "
+            "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
+            "jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1); "
+            "from tunix_nb import bench; print(json.dumps(bench.compile_times()))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"compile-time child failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    repeats = 3 if quick else 10
+    jobs = {
+        "vmap": lambda: bench_vmap([1, 8, 64] if quick else [1, 4, 16, 64, 256], repeats),
+        "mfu": lambda: bench_mfu(repeats, quick=quick),
+        "dp": lambda: bench_dp(repeats, [1, 8] if quick else [1, 2, 4, 8]),
+        "ckpt": lambda: bench_ckpt(16 if quick else 128, 1 if quick else 3),
+        "dpo": lambda: bench_dpo(repeats),
+        "compile": lambda: bench_compile(quick=quick),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results.setdefault("figures", {})
+    results["machine"] = machine()
+    results["settings"] = {"quick": quick, "repeats": repeats,
+                           "method": "ratios of medians over repeats after 2 warm-up calls, timed side by side"}
+    bar = tqdm(groups, desc="bench", disable=not progress)
+    for group in bar:
+        bar.set_postfix(figure=group)
+        results["figures"].update(jobs[group]())
+        path.write_text(json.dumps(results, indent=2, sort_keys=True, default=float) + "\n")
+    from tunix_nb import plots
+
+    plots.save_bench_plots(results, out_dir)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tunix_nb.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a CI-sized run (about a minute)")
+    parser.add_argument("--only", choices=sorted(set(GROUPS) | set(FIGURES)),
+                        help="run one figure (or its group, e.g. dp_overhead runs the dp group)")
+    parser.add_argument("--out", default="results", help="directory for bench.json and the plots")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (CPU only)")
+    args = parser.parse_args(argv)
+    if devices.accelerator_hint() is None:
+        devices.simulate_cpu_devices(args.devices)
+    groups = GROUPS if args.only is None else (args.only if args.only in GROUPS else FIGURES[args.only][0],)
+    results = run(groups, quick=args.quick, out_dir=Path(args.out), progress=sys.stderr.isatty())
+    for name, fig in sorted(results["figures"].items()):
+        target = "" if fig["target"] is None else f" (target {'<=' if fig['target_kind'] == 'max' else '>='} {fig['target']})"
+        print(f"{name}: {fig['value']:.3f}{target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
