@@ -149,7 +149,18 @@ def bench_mfu(repeats, quick=False):
     seconds = median_seconds(lambda: step(params, opt_state, b), repeats=repeats)
     xla_flops = step.lower(params, opt_state, b).compile().cost_analysis().get("flops")
     flops = model_flops_per_step(cfg, batch, seq_len)
+    # A coarse profile: where the step's time goes (forward, backward, optimizer update).
+    objective = train.sft_objective(graphdef)
+    forward = jax.jit(lambda p: objective(p, b)[0])
+    grad = jax.jit(jax.grad(lambda p: objective(p, b)[0]))
+    grads = grad(params)
+    update = jax.jit(lambda g, s, p: opt.update(g, s, p))
+    profile = {"forward_seconds": median_seconds(lambda: forward(params), repeats=repeats),
+               "forward_backward_seconds": median_seconds(lambda: grad(params), repeats=repeats),
+               "optimizer_update_seconds": median_seconds(lambda: update(grads, opt_state, params), repeats=repeats)}
+    profile["matmul_flops_share_of_forward_time_at_peak"] = flops / 3 / peak / profile["forward_seconds"]
     return _figure("train_step_mfu", flops / seconds / peak, step_seconds=seconds, model_flops_per_step=flops,
+                   profile=profile,
                    xla_flops_per_step=xla_flops, achieved_flops_per_second=flops / seconds,
                    matmul_peak_flops_per_second=peak, peak_matmul_size=n, repeats=repeats,
                    model={"d_model": cfg.d_model, "n_layers": cfg.n_layers, "d_ff": cfg.d_ff,
@@ -181,6 +192,7 @@ def _place(mode, state, batch, n_devices):
 
 def bench_dp(repeats, device_counts):
     import jax
+    import numpy as np
 
     from tunix_nb import parallel, train
 
@@ -205,11 +217,20 @@ def bench_dp(repeats, device_counts):
     without_ar = train.make_step(objective, opt, parallel_mode="pmap", all_reduce=False)
     t_with = median_seconds(lambda: with_ar(*state, b), repeats=repeats)
     t_without = median_seconds(lambda: without_ar(*state, b), repeats=repeats)
+    # The all-reduce moves a fixed amount (one gradient); the compute grows with the batch.
+    by_batch = {}
+    for global_batch in (64, 256):
+        big = {k: np.concatenate([v] * (global_batch // 64)) for k, v in batch.items()}
+        bb = parallel.shard_batch(big, n_max)
+        tw = median_seconds(lambda: with_ar(*state, bb), repeats=repeats)
+        to = median_seconds(lambda: without_ar(*state, bb), repeats=repeats)
+        by_batch[global_batch] = {"step_seconds": tw, "share": max(tw - to, 0.0) / tw}
     worst = max(table[m][n_max] for m in table)
     return {**_figure("dp_overhead", worst, at_devices=n_max, per_strategy=table, jit_step_seconds=t_jit,
                       global_batch=64, repeats=repeats),
             **_figure("allreduce_share", max(t_with - t_without, 0.0) / t_with, devices=n_max,
-                      step_seconds=t_with, step_without_allreduce_seconds=t_without, repeats=repeats)}
+                      step_seconds=t_with, step_without_allreduce_seconds=t_without, repeats=repeats,
+                      gradient_bytes=4 * sum(x.size for x in jax.tree.leaves(params)), share_by_global_batch=by_batch)}
 
 
 # ------------------------------------------------------------------------------ ckpt

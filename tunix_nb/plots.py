@@ -346,19 +346,14 @@ def plot_logps(ax, history, *, title: str):
     return lines
 
 
-def save_bench_plots(results: dict, out_dir) -> list:
-    """The benchmark figures of `python -m tunix_nb.bench` as PNG files; returns their paths."""
-    from pathlib import Path
-
-    figures, paths = results["figures"], []
+def bench_figures(results: dict) -> dict:
+    """The figures of a `python -m tunix_nb.bench` result: {file name: matplotlib Figure}."""
+    figures, out = results["figures"], {}
     where = f"{results['machine']['backend']} · {results['machine']['device_kind']} · " \
             f"{results['machine']['cpu_count']} CPU cores"
 
     def save(fig, name):
-        path = Path(out_dir) / name
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        paths.append(path)
+        out[name] = fig
 
     if "vmap_speedup_over_loop" in figures:
         curve = figures["vmap_speedup_over_loop"]["curve"]
@@ -395,4 +390,16 @@ def save_bench_plots(results: dict, out_dir) -> list:
         ax.axvline(1.0, color="black", linestyle=":")
         ax.set(xlabel="figure / its target (green: meets it)", title=f"Benchmark figures against targets\n{where}")
         save(fig, "targets.png")
+    return out
+
+
+def save_bench_plots(results: dict, out_dir) -> list:
+    """Write the benchmark figures as PNG files into out_dir; returns their paths."""
+    from pathlib import Path
+
+    paths = []
+    for name, fig in bench_figures(results).items():
+        paths.append(Path(out_dir) / name)
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
     return paths
