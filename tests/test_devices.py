@@ -106,3 +106,37 @@ def test_backend_defaults():
     assert all(devices.defaults_for(b).param_dtype == "float32" for b in ("cpu", "gpu", "tpu"))
     with pytest.raises(ValueError, match="Unknown backend 'npu'"):
         devices.defaults_for("npu")
+
+
+@pytest.mark.parametrize("hint_env, expected", [({"JAX_PLATFORMS": "tpu"}, 0), ({"COLAB_TPU_ADDR": "x"}, 0),
+                                                ({"COLAB_GPU": "1"}, 0), ({}, 8)])
+def test_setup_uses_an_accelerator_and_simulates_only_on_cpu(monkeypatch, hint_env, expected):
+    """The setup cell's logic with the backend faked: TPU and GPU runtimes are left alone."""
+    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU", devices.DEVICES_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in hint_env.items():
+        monkeypatch.setenv(key, value)
+    calls = []
+    monkeypatch.setattr(devices, "simulate_cpu_devices", lambda n: calls.append(n))
+    monkeypatch.setattr(devices.os.path, "exists", lambda p: False)  # no /dev/accel0 or /dev/nvidia0 here
+    assert devices.setup(8) == expected
+    assert calls == ([8] if expected else [])
+    assert devices.setup(8, simulate_on_accelerator=True) == 8 and calls[-1] == 8
+
+
+def test_accelerator_device_files_are_recognised(monkeypatch):
+    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(devices.os.path, "exists", lambda p: p == "/dev/accel0")
+    assert devices.accelerator_hint() == "tpu"
+    monkeypatch.setattr(devices.os.path, "exists", lambda p: p == "/dev/nvidia0")
+    assert devices.accelerator_hint() == "gpu"
+
+
+def test_has_devices_says_what_to_do(capsys, monkeypatch):
+    assert devices.has_devices(8) is True
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert devices.has_devices(2, "The pmap equivalence check") is False
+    out = capsys.readouterr().out
+    assert "The pmap equivalence check needs at least 2 devices" in out
+    assert "simulate_on_accelerator=True" in out

@@ -90,13 +90,18 @@ def accelerator_hint() -> str | None:
     return None
 
 
-def setup(n_cpu_devices: int = 8) -> int:
+def setup(n_cpu_devices: int = 8, *, simulate_on_accelerator: bool = False) -> int:
     """The notebooks' setup call: on CPU, simulate devices; on TPU/GPU, use them.
 
     Returns the number of CPU devices it asked for (0 when an accelerator is used).
-    The environment variable TUNIX_NB_DEVICES overrides `n_cpu_devices` and forces
-    CPU simulation, e.g. TUNIX_NB_DEVICES=1 for the single-device path.
+    `simulate_on_accelerator=True` simulates CPU devices even where a TPU or GPU is
+    present (Colab's single chip), for the lessons' multi-device parts. The environment
+    variable TUNIX_NB_DEVICES overrides `n_cpu_devices` and forces CPU simulation,
+    e.g. TUNIX_NB_DEVICES=1 for the single-device path.
     """
+    if simulate_on_accelerator:
+        simulate_cpu_devices(n_cpu_devices)
+        return n_cpu_devices
     override = os.environ.get(DEVICES_ENV)
     if override:
         try:
@@ -147,3 +152,21 @@ def defaults_for(backend: str | None = None) -> BackendDefaults:
     if backend == "cpu":
         return BackendDefaults(backend=backend, compute_dtype="float32")
     raise ValueError(f"Unknown backend {backend!r}; expected 'cpu', 'gpu' or 'tpu'.")
+
+
+def has_devices(n: int, what: str = "This part") -> bool:
+    """True if JAX has at least n devices; otherwise says so and how to simulate them.
+
+    On Colab's single TPU chip or a single GPU, a lesson's multi-device parts call this
+    and skip with the printed reason; everything else runs on the accelerator.
+    """
+    import jax
+
+    have = jax.device_count()
+    if have >= n:
+        return True
+    print(f"{what} needs at least {n} devices; this runtime has {have} {jax.default_backend()} device(s), "
+          f"so it is skipped. To run it, restart the runtime and change the setup cell's call to "
+          f"devices.setup(n_cpu_devices=8, simulate_on_accelerator=True) (simulated CPU devices; "
+          f"the accelerator then sits idle), or set TUNIX_NB_DEVICES=8 before starting Jupyter.")
+    return False
