@@ -44,10 +44,11 @@ def test_details_hold_the_measured_parts(quick_results):
     _, results, _ = quick_results
     figs = results["figures"]
     assert {"1", "8", "64"} <= set(figs["vmap_speedup_over_loop"]["curve"])
+    assert figs["allreduce_share"]["devices"] == 8
     assert figs["train_step_mfu"]["matmul_peak_flops_per_second"] > figs["train_step_mfu"]["achieved_flops_per_second"]
     assert figs["ckpt_save_over_disk_bandwidth"]["state_bytes"] >= 16 * 2**20
-    assert {"pmap"} <= set(figs["dp_overhead"]["per_strategy"])
-    assert set(figs["compile_share"]["per_step"]) == {"02 distill step", "03 sft step", "04 dpo step"}
+    assert set(figs["dp_overhead"]["per_strategy"]) == {"pmap", "shard_map", "dp"}
+    assert set(figs["compile_share"]["per_step"]) == {"03 sft step"}  # --quick compiles one step
 
 
 def test_plots_are_written(quick_results):

@@ -132,7 +132,7 @@ def bench_mfu(repeats, quick=False):
 
     from tunix_nb import model, train
 
-    n = 1024 if quick else 2048
+    n = 512 if quick else 2048
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     peak = 2 * n**3 / median_seconds(lambda: matmul(a), repeats=repeats)
@@ -149,6 +149,10 @@ def bench_mfu(repeats, quick=False):
     seconds = median_seconds(lambda: step(params, opt_state, b), repeats=repeats)
     xla_flops = step.lower(params, opt_state, b).compile().cost_analysis().get("flops")
     flops = model_flops_per_step(cfg, batch, seq_len)
+    if quick:
+        return _figure("train_step_mfu", flops / seconds / peak, step_seconds=seconds, model_flops_per_step=flops,
+                       xla_flops_per_step=xla_flops, achieved_flops_per_second=flops / seconds,
+                       matmul_peak_flops_per_second=peak, peak_matmul_size=n, repeats=repeats, model={})
     # A coarse profile: where the step's time goes (forward, backward, optimizer update).
     objective = train.sft_objective(graphdef)
     forward = jax.jit(lambda p: objective(p, b)[0])
@@ -181,16 +185,19 @@ def _sft_setup(batch_size=64):
     return graphdef, params, opt, data.batch_at(rows, 0, batch_size, seed=0)
 
 
-def _place(mode, state, batch, n_devices):
-    """State and batch laid out for a strategy on the first n_devices devices."""
-    from tunix_nb import parallel
+def _placed_step(objective, opt, mode, state, batch, n_devices):
+    """(step, state, batch) laid out for a strategy on the first n_devices devices."""
+    from tunix_nb import parallel, train
 
     if mode == "pmap":
-        return parallel.replicate(state, n_devices), parallel.shard_batch(batch, n_devices)
-    raise NotImplementedError(mode)
+        step = train.make_step(objective, opt, parallel_mode=mode)
+        return step, parallel.replicate(state, n_devices), parallel.shard_batch(batch, n_devices)
+    mesh = parallel.make_mesh(n_devices)
+    step = train.make_step(objective, opt, parallel_mode=mode, mesh=mesh)
+    return step, parallel.place_state(state, mesh, mode), parallel.place_batch(batch, mesh)
 
 
-def bench_dp(repeats, device_counts):
+def bench_dp(repeats, device_counts, quick=False):
     import jax
     import numpy as np
 
@@ -207,8 +214,7 @@ def bench_dp(repeats, device_counts):
         for n in device_counts:
             if n > jax.local_device_count():
                 continue
-            step = train.make_step(objective, opt, parallel_mode=mode)
-            state, b = _place(mode, (params, opt_state), batch, n)
+            step, state, b = _placed_step(objective, opt, mode, (params, opt_state), batch, n)
             table.setdefault(mode, {})[n] = median_seconds(lambda: step(*state, b), repeats=repeats) / t_jit
     n_max = max(n for n in device_counts if n <= jax.local_device_count())
     state = parallel.replicate((params, opt_state), n_max)
@@ -219,7 +225,7 @@ def bench_dp(repeats, device_counts):
     t_without = median_seconds(lambda: without_ar(*state, b), repeats=repeats)
     # The all-reduce moves a fixed amount (one gradient); the compute grows with the batch.
     by_batch = {}
-    for global_batch in (64, 256):
+    for global_batch in (() if quick else (64, 256)):
         big = {k: np.concatenate([v] * (global_batch // 64)) for k, v in batch.items()}
         bb = parallel.shard_batch(big, n_max)
         tw = median_seconds(lambda: with_ar(*state, bb), repeats=repeats)
@@ -296,8 +302,8 @@ def bench_dpo(repeats):
     from tunix_nb.tokenizer import ByteTokenizer
 
     graphdef, params = model.split(model.make_model("student", seed=0))
-    pairs = data.preference_arrays(data.load_preferences()[:256], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
-    pairs = train.reference_log_probs(graphdef, params, pairs)
+    pairs = data.preference_arrays(data.load_preferences()[:64], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    pairs = train.reference_log_probs(graphdef, params, pairs, batch_size=64)
     batch = data.batch_at(pairs, 0, 32, seed=0)
     opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
     opt_state = opt.init(params)
@@ -312,7 +318,7 @@ def bench_dpo(repeats):
 # --------------------------------------------------------------------------- compile
 
 
-def compile_times() -> dict:
+def compile_times(only=None) -> dict:
     """Compile and step seconds of each lesson's main step (runs in a child process too)."""
     from tunix_nb import data, model, train
     from tunix_nb.tokenizer import ByteTokenizer
@@ -328,6 +334,8 @@ def compile_times() -> dict:
     }
     out = {}
     for name, (objective, step_batch, frozen) in steps.items():
+        if only is not None and name not in only:
+            continue
         args = (params, opt_state, step_batch, frozen)
         t0 = time.perf_counter()
         compiled = train.make_step(objective, opt).lower(*args).compile()
@@ -338,7 +346,7 @@ def compile_times() -> dict:
 
 
 def bench_compile(quick=False):
-    first = compile_times()
+    first = compile_times(only=("03 sft step",) if quick else None)
     figure = {"per_step": first}
     if not quick:  # the persistent compilation cache, across two fresh processes
         with tempfile.TemporaryDirectory(dir=".") as cache:
@@ -373,7 +381,7 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
     jobs = {
         "vmap": lambda: bench_vmap([1, 8, 64] if quick else [1, 4, 16, 64, 256], repeats),
         "mfu": lambda: bench_mfu(repeats, quick=quick),
-        "dp": lambda: bench_dp(repeats, [1, 8] if quick else [1, 2, 4, 8]),
+        "dp": lambda: bench_dp(repeats, [8] if quick else [1, 2, 4, 8], quick=quick),
         "ckpt": lambda: bench_ckpt(16 if quick else 128, 1 if quick else 3),
         "dpo": lambda: bench_dpo(repeats),
         "compile": lambda: bench_compile(quick=quick),
