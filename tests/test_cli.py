@@ -1,46 +1,108 @@
-"""python -m tunix_nb.train: flags, resume, metrics file, and its errors."""
+"""python -m tunix_nb.train: flags, resume (after kills and damage), DPO, metrics file, errors.
+
+Every CLI run is a fresh Python process (about 5 s of JAX start-up and compilation), so
+scenarios share runs where they can: one uninterrupted reference run serves the
+kill-and-resume, the damaged-checkpoint and the DPO tests. All runs share a persistent
+JAX compilation cache, which changes how long a run takes, not what it computes.
+"""
 
 import json
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
-from tunix_nb import checkpoint
+from tunix_nb import checkpoint, cli as cli_module, losses
 
 TINY = ["sft", "--model", "tiny", "--batch-size", "16"]
+# The run the preemption tests interrupt: long enough (a few ms a step) to be killed mid-run.
+RUN = [*TINY, "--steps", "240", "--save-every", "20", "--keep", "3"]
 
 
-def cli(*args, cwd=None, timeout=180):
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The environment of every CLI run: one device, a shared compilation cache."""
+    cache = tmp_path_factory.mktemp("jax_cache")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "tunix_nb.train", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return env
 
 
-def test_help_documents_every_flag():
+@pytest.fixture
+def cli(env):
+    def run(*args, timeout=180):
+        return subprocess.run([sys.executable, "-m", "tunix_nb.train", *args], capture_output=True, text=True,
+                              env=env, timeout=timeout)
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+    """RUN, uninterrupted: its checkpoint directory and metrics file."""
+    root = tmp_path_factory.mktemp("reference")
+    out = subprocess.run([sys.executable, "-m", "tunix_nb.train", *RUN, "--ckpt-dir", str(root / "run"),
+                          "--metrics-file", str(root / "metrics.jsonl")],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr
+    return root / "run", root / "metrics.jsonl"
+
+
+def assert_bitwise_equal(params_a, params_b):
+    la, lb = jax.tree.leaves(params_a), jax.tree.leaves(params_b)
+    assert len(la) == len(lb) > 0
+    for a, b in zip(la, lb):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_help_documents_every_flag(cli):
     out = cli("--help")
     assert out.returncode == 0
+    for action in cli_module.build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in out.stdout
+        assert action.help, f"{action.option_strings or action.dest} has no help text"
     for flag in ("--steps", "--batch-size", "--seed", "--ckpt-dir", "--save-every", "--keep", "--devices",
-                 "--parallel", "--metrics-file", "--model", "--teacher", "--learning-rate"):
+                 "--parallel", "--metrics-file", "--init-from", "--beta", "--loss-type", "--sft-weight"):
         assert flag in out.stdout
+    assert "{sft,distill,dpo}" in out.stdout and "{sigmoid,ipo,hinge}" in out.stdout
+    assert cli_module.DPO_LOSS_TYPES == losses.DPO_LOSS_TYPES
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "argument --steps: 0 must be at least 1"),
-    (["--batch-size", "ten"], "argument --batch-size: 'ten' is not an integer"),
-    (["--learning-rate", "-1"], "argument --learning-rate: -1.0 must be greater than 0"),
-    (["--parallel", "tpu"], "argument --parallel: invalid choice: 'tpu'"),
-    (["--model", "huge"], "--model 'huge' is not a preset"),
-    (["--devices", "8", "--parallel", "pmap", "--batch-size", "12"], "--batch-size 12 does not divide by the 8 devices"),
-])
-def test_bad_flag_values_get_clear_errors(args, message):
-    out = cli(*TINY, "--steps", "4", *args)
-    assert out.returncode == 2
-    assert message in out.stderr
+    ([*TINY, "--steps", "0"], "argument --steps: 0 must be at least 1"),
+    ([*TINY, "--batch-size", "ten"], "argument --batch-size: 'ten' is not an integer"),
+    ([*TINY, "--learning-rate", "-1"], "argument --learning-rate: -1.0 must be greater than 0"),
+    ([*TINY, "--parallel", "tpu"], "argument --parallel: invalid choice: 'tpu'"),
+    ([*TINY, "--model", "huge"], "--model 'huge' is not a preset"),
+    ([*TINY, "--devices", "8", "--parallel", "pmap", "--batch-size", "12"],
+     "--batch-size 12 does not divide by the 8 devices"),
+    ([*TINY, "--stop-after", "9"], "--stop-after 9 is beyond --steps 4"),
+    ([*TINY, "--stop-after", "2"], "--stop-after needs --ckpt-dir"),
+    ([*TINY, "--beta", "0.1"], "--beta applies only to dpo, not sft"),
+    (["dpo", "--beta", "0"], "argument --beta: 0.0 must be greater than 0"),
+    (["dpo", "--loss-type", "kto"], "argument --loss-type: invalid choice: 'kto'"),
+    (["dpo", "--sft-weight", "-1"], "argument --sft-weight: -1.0 must be 0 or more"),
+    (["dpo", "--init-from", "no/such/dir"], "--init-from no/such/dir: no checkpoint there"),
+    (["dpo", "--model", "teacher"], "--model 'teacher' differs from the --init-from checkpoint's model 'student'"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_flag_values_get_clear_errors(capsys, args, message):
+    """In this process (no JAX start-up per case): main() exits 2 with the message, as the CLI does."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main([*args, "--steps", "4"] if "--steps" not in args else args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
-def test_runs_saves_resumes_and_keeps_metrics(tmp_path):
+def test_errors_reach_the_command_line(cli):
+    out = cli(*TINY, "--steps", "4", "--loss-type", "ipo")
+    assert out.returncode == 2 and "--loss-type applies only to dpo, not sft" in out.stderr
+
+
+def test_runs_saves_resumes_and_keeps_metrics(cli, tmp_path):
     ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     first = cli(*TINY, "--steps", "6", "--save-every", "2", "--keep", "2", "--ckpt-dir", str(ckpt),
                 "--metrics-file", str(metrics))
@@ -54,7 +116,7 @@ def test_runs_saves_resumes_and_keeps_metrics(tmp_path):
     assert len(metrics.read_text().splitlines()) == 6
 
 
-def test_incompatible_run_is_refused_and_left_untouched(tmp_path):
+def test_incompatible_run_is_refused_and_left_untouched(cli, tmp_path):
     ckpt = tmp_path / "run"
     assert cli(*TINY, "--steps", "4", "--save-every", "2", "--ckpt-dir", str(ckpt)).returncode == 0
     before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
@@ -63,3 +125,90 @@ def test_incompatible_run_is_refused_and_left_untouched(tmp_path):
     assert "holds a different run (seed: saved 0, given 1)" in out.stderr and "Nothing was changed" in out.stderr
     assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
     assert checkpoint.load_meta(ckpt)["step"] == 4
+
+
+def test_stopping_and_resuming_at_any_step_gives_the_same_bits(cli, tmp_path, reference):
+    """--stop-after 50 cuts the run between save points (another chunking); the resumed
+    run restores params, optimizer state and the schedule's step count exactly."""
+    ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    first = cli(*RUN, "--stop-after", "50", "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics))
+    assert first.returncode == 0 and "Stopped after step 50 of 240" in first.stdout
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [20, 40, 50]
+    second = cli(*RUN, "--save-every", "70", "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics))
+    assert second.returncode == 0 and "Resuming from the checkpoint at step 50" in second.stdout
+    assert_bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert metrics.read_text() == reference[1].read_text()  # the same batches, the same losses
+
+
+def test_killed_between_saves_and_during_a_save_resumes_bitwise(cli, env, tmp_path, reference):
+    ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    argv = [*RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
+    first = cli_module.preempt(argv, ckpt_dir=ckpt, metrics_file=metrics, when="between_saves", after_step=30,
+                               env=env, timeout=120)
+    assert first["killed"] and first["in_flight"] == [], first
+    second = cli_module.preempt(argv, ckpt_dir=ckpt, metrics_file=metrics, when="during_save",
+                                after_step=first["step"], env=env, timeout=120)
+    assert second["killed"] and second["in_flight"], second
+    assert all((ckpt / name).is_dir() for name in second["in_flight"])  # the half-written save is left
+    last = cli(*argv)
+    assert last.returncode == 0, last.stderr
+    assert "Resuming from the checkpoint at step" in last.stdout
+    assert_bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert metrics.read_text() == reference[1].read_text()
+    assert not list(ckpt.glob(f"*{cli_module.TMP_SUFFIX}*"))  # Orbax replaced it when it saved that step
+
+
+def test_damaged_latest_checkpoint_resumes_from_the_one_before(cli, tmp_path, reference):
+    ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    argv = [*RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
+    assert cli(*argv, "--stop-after", "60").returncode == 0
+    data_files = [p for p in (ckpt / "60" / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+    for p in data_files:
+        p.write_bytes(p.read_bytes()[:10])
+    damaged = {p.relative_to(ckpt / "60"): p.read_bytes() for p in (ckpt / "60").rglob("*") if p.is_file()}
+    out = cli(*argv)
+    assert out.returncode == 0, out.stderr
+    assert "DamagedCheckpointWarning: Checkpoint at step 60 in run could not be restored (ValueError:" in out.stderr
+    assert "falling back to step 40" in out.stderr
+    assert "The checkpoint at step 60 is damaged: moved it aside to 60.damaged-" in out.stdout
+    assert "Resuming from the checkpoint at step 40 in" in out.stdout and "(newest was 60)" in out.stdout
+    moved = [p for p in ckpt.iterdir() if p.name.startswith("60.damaged-")]
+    assert len(moved) == 1  # kept as it was, file for file
+    assert {p.relative_to(moved[0]): p.read_bytes() for p in moved[0].rglob("*") if p.is_file()} == damaged
+    assert_bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert metrics.read_text() == reference[1].read_text()
+    # every checkpoint damaged: a clear error, and nothing is moved or changed
+    for step_dir in ckpt.iterdir():
+        if step_dir.name.isdigit():
+            (step_dir / "meta" / "metadata").write_text("{cut short")
+    before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    out = cli(*argv)
+    assert out.returncode == 2 and "error: No checkpoint in run could be restored" in out.stderr
+    assert "Nothing was changed" in out.stderr
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
+
+
+def test_dpo_from_an_sft_checkpoint_on_2_devices_then_1(cli, tmp_path, reference):
+    ckpt, metrics = tmp_path / "dpo", tmp_path / "metrics.jsonl"
+    argv = ["dpo", "--init-from", str(reference[0]), "--batch-size", "16", "--steps", "6", "--save-every", "3",
+            "--beta", "0.2", "--loss-type", "hinge", "--sft-weight", "0.5", "--ckpt-dir", str(ckpt),
+            "--metrics-file", str(metrics)]
+    first = cli(*argv, "--devices", "2", "--parallel", "pmap", "--stop-after", "3")
+    assert first.returncode == 0, first.stderr
+    config = checkpoint.load_meta(ckpt)["config"]
+    assert {k: config[k] for k in ("command", "model", "init_from", "beta", "loss_type", "sft_weight",
+                                   "learning_rate")} == {
+        "command": "dpo", "model": "tiny", "init_from": str(reference[0]), "beta": 0.2, "loss_type": "hinge",
+        "sft_weight": 0.5, "learning_rate": 1e-3}
+    second = cli(*argv)  # one device, jit
+    assert second.returncode == 0, second.stderr
+    assert "Resuming from the checkpoint at step 3" in second.stdout and "Done: dpo tiny, 6 steps." in second.stdout
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert all({"loss", "rewards/accuracy", "rewards/margin", "sft/chosen_nll"} <= set(line) for line in lines)
+    # the first step's policy is the reference: margin 0, hinge loss 1 (+ the SFT term)
+    # (the cached reference comes from another compiled program: equal up to float rounding)
+    assert abs(lines[0]["rewards/margin"]) < 1e-5
+    np.testing.assert_allclose(lines[0]["loss"], 1.0 + 0.5 * lines[0]["sft/chosen_nll"], rtol=1e-5)
+    clash = cli(*[a if a != "0.2" else "0.3" for a in argv])
+    assert clash.returncode == 2 and "(beta: saved 0.2, given 0.3)" in clash.stderr

@@ -1,0 +1,252 @@
+"""tunix_nb.checkpoint: exact round trips, retention, damaged checkpoints, other device counts."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tunix_nb import checkpoint, model, parallel, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def leaves_equal(a, b) -> bool:
+    """Bitwise: same tree of leaves, every leaf equal in dtype, shape and every bit."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def state():
+    """A tiny model's params and an optimizer state a few steps in (nonzero moments, count 3)."""
+    _, params = model.split(model.make_model("tiny", seed=0))
+    opt = train.make_optimizer(train.OptimizerConfig(warmup_steps=1, total_steps=10))
+    opt_state = opt.init(params)
+    grads = jax.tree.map(lambda x: 0.01 * jax.numpy.ones_like(x), params)
+    for _ in range(3):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+    return params, opt_state
+
+
+def saved_run(ckpt_dir, state, steps=(2, 4), keep=3, async_save=True):
+    params, opt_state = state
+    manager = checkpoint.make_manager(ckpt_dir, keep=keep, async_save=async_save)
+    for s in steps:
+        bump = jax.tree.map(lambda x: x + s, params)  # a different state per step
+        checkpoint.save(manager, s, params=bump, opt_state=opt_state, meta={"seed": 7},
+                        rng=jax.random.fold_in(jax.random.key(7), s))
+    manager.wait_until_finished()
+    return manager
+
+
+def test_round_trip_is_exact_latest_or_given_step(tmp_path, state):
+    params, opt_state = state
+    manager = saved_run(tmp_path / "run", state)  # async saves, the default
+    got_params, got_opt, meta = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state)
+    assert meta["step"] == 4 and meta["seed"] == 7
+    assert leaves_equal(got_params, jax.tree.map(lambda x: x + 4, params))
+    assert leaves_equal(got_opt, opt_state)
+    assert int(got_opt[1][0].count) == 3  # the schedule's step count comes back as saved
+    assert np.array_equal(jax.random.key_data(meta["rng"]),
+                          jax.random.key_data(jax.random.fold_in(jax.random.key(7), 4)))
+    got_params, _, meta = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state, step=2)
+    assert meta["step"] == 2 and leaves_equal(got_params, jax.tree.map(lambda x: x + 2, params))
+    loaded = checkpoint.load_params(tmp_path / "run")  # host NumPy, no model needed
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(loaded))
+    assert leaves_equal(checkpoint.params_into(params, loaded), jax.tree.map(lambda x: x + 4, params))
+    assert checkpoint.load_meta(tmp_path / "run", step=2)["step"] == 2
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint for step 3 .* have \[2, 4\]"):
+        checkpoint.restore(manager, params_like=params, opt_state_like=opt_state, step=3)
+
+
+def test_retention_keeps_exactly_the_newest_n(tmp_path, state):
+    saved_run(tmp_path / "run", state, steps=range(1, 8), keep=3)
+    on_disk = sorted(int(p.name) for p in (tmp_path / "run").iterdir() if p.name.isdigit())
+    assert on_disk == [5, 6, 7]
+    with pytest.raises(ValueError, match="keep=0 must be at least 1"):
+        checkpoint.make_manager(tmp_path / "other", keep=0)
+
+
+def test_save_refuses_a_step_that_orbax_would_skip(tmp_path, state):
+    params, opt_state = state
+    manager = saved_run(tmp_path / "run", state)
+    with pytest.raises(ValueError, match=r"Step 4 is not newer than the latest checkpoint \(4\)"):
+        checkpoint.save(manager, 4, params=params, opt_state=opt_state, meta={})
+
+
+def test_replicated_state_is_saved_once_and_replicated_again(tmp_path, state):
+    params, opt_state = state
+    n = jax.local_device_count()
+    rep_params, rep_opt = parallel.replicate((params, opt_state), n)
+    manager = checkpoint.make_manager(tmp_path / "run")
+    checkpoint.save(manager, 1, params=rep_params, opt_state=rep_opt, meta={}, replicated=True)
+    manager.wait_until_finished()
+    assert checkpoint.load_params(tmp_path / "run")["embed"]["embedding"].shape == params["embed"]["embedding"].shape
+    got_params, got_opt, _ = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state,
+                                                replicate_to=n)
+    assert got_params["embed"]["embedding"].shape == (n, *params["embed"]["embedding"].shape)
+    for i in range(n):  # every device holds the saved state, bit for bit
+        copy = jax.tree.map(lambda x: x.addressable_shards[i].data[0], (got_params, got_opt))
+        assert leaves_equal(copy, (params, opt_state))
+
+
+def _truncate_params_data(step_dir: Path):
+    files = [p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for p in files:
+        with p.open("r+b") as f:
+            f.truncate(p.stat().st_size // 3)
+
+
+def _flip_a_byte_of_params_data(step_dir: Path):
+    """Damage that still parses: Orbax reads other numbers, only the checksum notices."""
+    for p in (step_dir / "params").rglob("*"):
+        if p.is_file() and p.parent.name == "d" and p.parent.parent.name.startswith("ocdbt"):
+            data = bytearray(p.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            p.write_bytes(data)
+
+
+def _garble_meta(step_dir: Path):
+    (step_dir / "meta" / "metadata").write_text('{"step": 4, "config": ')
+
+
+@pytest.mark.parametrize("damage, error", [
+    (_truncate_params_data, "OUT_OF_RANGE"),
+    (_flip_a_byte_of_params_data, "DamagedCheckpointError: params read back with checksum"),
+    (_garble_meta, "JSONDecodeError"),
+], ids=["truncated-files", "flipped-byte", "garbled-meta"])
+def test_damaged_latest_warns_and_falls_back_deleting_nothing(tmp_path, state, damage, error):
+    params, opt_state = state
+    run = tmp_path / "run"
+    saved_run(run, state)
+    damage(run / "4")
+    files_before = {p: p.stat().st_size for p in run.rglob("*")}
+    manager = checkpoint.make_manager(run)  # a fresh process would start like this
+    with pytest.warns(checkpoint.DamagedCheckpointWarning,
+                      match=r"Checkpoint at step 4 in run could not be restored \(.*" + error) as record:
+        got_params, got_opt, meta = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state)
+    assert "falling back to step 2" in str(record[0].message)
+    assert not any(s in str(w.message) for w in record for s in ("/tmp", "/root", str(tmp_path)))
+    assert meta["step"] == 2 and leaves_equal(got_params, jax.tree.map(lambda x: x + 2, params))
+    assert leaves_equal(got_opt, opt_state)
+    assert {p: p.stat().st_size for p in run.rglob("*")} == files_before  # nothing deleted or changed
+    with pytest.raises(checkpoint.DamagedCheckpointError, match="step 4"):  # asked for by step: no fallback
+        checkpoint.restore(manager, params_like=params, opt_state_like=opt_state, step=4)
+    if damage is not _garble_meta:
+        with pytest.warns(checkpoint.DamagedCheckpointWarning, match="step 4"):
+            assert leaves_equal(checkpoint.load_params(run), jax.tree.map(lambda x: x + 2, params))
+
+
+def test_set_aside_moves_a_damaged_step_out_of_the_way_and_keeps_it(tmp_path, state):
+    params, opt_state = state
+    run = tmp_path / "run"
+    manager = saved_run(run, state, keep=2)
+    _truncate_params_data(run / "4")
+    with pytest.warns(checkpoint.DamagedCheckpointWarning):
+        checkpoint.restore(manager, params_like=params, opt_state_like=opt_state)
+    moved = checkpoint.set_aside(manager, 4)
+    assert moved.name.startswith("4.damaged-") and moved.is_dir() and not (run / "4").exists()
+    assert manager.all_steps() == [2]
+    for s in (4, 6, 8):  # the step saves again; retention never touches the damaged copy
+        checkpoint.save(manager, s, params=params, opt_state=opt_state, meta={})
+    manager.wait_until_finished()
+    assert manager.all_steps() == [6, 8] and moved.is_dir()
+    with pytest.raises(FileNotFoundError, match="No checkpoint directory for step 5"):
+        checkpoint.set_aside(manager, 5)
+
+
+def test_all_damaged_raises_a_clear_error(tmp_path, state):
+    params, opt_state = state
+    run = tmp_path / "run"
+    saved_run(run, state)
+    for s in ("2", "4"):
+        _garble_meta(run / s)
+    with pytest.warns(checkpoint.DamagedCheckpointWarning):
+        with pytest.raises(checkpoint.DamagedCheckpointError, match="No checkpoint in run could be restored"):
+            checkpoint.restore(checkpoint.make_manager(run), params_like=params, opt_state_like=opt_state)
+
+
+def test_checksum_ignores_key_types_and_placement_but_not_values(state):
+    params, _ = state
+    pure = checkpoint._pure(params)
+    as_strings = {"blocks": {str(k): v for k, v in pure["blocks"].items()},
+                  **{k: v for k, v in pure.items() if k != "blocks"}}
+    host = jax.tree.map(np.asarray, as_strings)
+    assert checkpoint.checksum(pure) == checkpoint.checksum(host)
+    host["embed"]["embedding"] = host["embed"]["embedding"].copy()
+    host["embed"]["embedding"].flat[0] = np.nextafter(host["embed"]["embedding"].flat[0], np.float32(1))
+    assert checkpoint.checksum(pure) != checkpoint.checksum(host)
+
+
+# ------------------------------------------- another device count, in separate processes
+
+ELASTIC = textwrap.dedent("""
+    import json, sys
+    from tunix_nb import devices
+    n, mode, ckpt, start, steps, dump_in, dump_out = json.loads(sys.argv[1])
+    devices.simulate_cpu_devices(n)
+    import jax, numpy as np
+    from tunix_nb import checkpoint, data, model, parallel, train
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    graphdef, params = model.split(model.make_model("tiny", seed=0))
+    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, total_steps=12))
+    opt_state = opt.init(params)
+    manager = checkpoint.make_manager(ckpt, keep=5)
+    if start:  # restore onto this process's devices and check every copy against the dump
+        rep_params, rep_opt, meta = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state,
+                                                       replicate_to=n if mode == "pmap" else None)
+        assert meta["step"] == start, meta
+        saved = np.load(dump_in)
+        copies = range(n) if mode == "pmap" else [None]
+        for i in copies:
+            got = jax.tree.leaves((rep_params, rep_opt)) if i is None else [
+                x.addressable_shards[i].data[0] for x in jax.tree.leaves((rep_params, rep_opt))]
+            assert len(got) == len(saved.files)
+            for k, x in enumerate(got):
+                want = saved[f"leaf{k}"]
+                assert x.dtype == want.dtype and np.array_equal(np.asarray(x), want), (i, k)
+        params, opt_state, _ = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state)
+    rows = data.sft_arrays(data.load_sft(), ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    step_fn = train.make_step(train.sft_objective(graphdef), opt, parallel_mode=mode)
+    params, opt_state, hist = train.run(step_fn, params, opt_state,
+                                        lambda s: data.batch_at(rows, s, 16, seed=0),
+                                        steps=steps, start_step=start, parallel_mode=mode, progress=False)
+    checkpoint.save(manager, start + steps, params=params, opt_state=opt_state, meta={"devices": n})
+    manager.wait_until_finished()
+    np.savez(dump_out, **{f"leaf{k}": np.asarray(x) for k, x in enumerate(jax.tree.leaves((params, opt_state)))})
+    print(f"ok {n} {mode} step {start + steps} loss {hist[-1]['loss']:.4f}")
+""")
+
+
+def run_on(n, mode, ckpt, start, steps, dump_in, dump_out):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", ELASTIC, json.dumps([n, mode, str(ckpt), start, steps,
+                                                                       str(dump_in), str(dump_out)])],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_restore_onto_8_then_4_then_1_devices_is_exact(tmp_path):
+    """Train on 8 devices (pmap), resume on 4 (pmap), then on 1 (jit): each restore equals
+    the state the previous process held in memory when it saved, bit for bit, on every device."""
+    ckpt = tmp_path / "run"
+    assert "ok 8 pmap step 4" in run_on(8, "pmap", ckpt, 0, 4, None, tmp_path / "s4.npz")
+    assert "ok 4 pmap step 8" in run_on(4, "pmap", ckpt, 4, 4, tmp_path / "s4.npz", tmp_path / "s8.npz")
+    assert "ok 1 jit step 12" in run_on(1, "jit", ckpt, 8, 4, tmp_path / "s8.npz", tmp_path / "s12.npz")
+    final = np.load(tmp_path / "s12.npz")
+    loaded = jax.tree.leaves(checkpoint.load_params(ckpt))
+    assert checkpoint.load_meta(ckpt)["devices"] == 1
+    # the params are the first leaves of (params, opt_state), in the same order
+    assert all(np.array_equal(x, final[f"leaf{k}"]) for k, x in enumerate(loaded))
