@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -149,11 +150,18 @@ def state_shardings(tree, mesh: Mesh, parallel_mode: str):
 
 
 def place_state(tree, mesh: Mesh, parallel_mode: str):
-    """Put the training state on the mesh as `parallel_mode` wants it (a copy, never an alias).
+    """Put the training state on the mesh as `parallel_mode` wants it, as new arrays.
 
-    A copy, so that a donating step cannot delete the caller's arrays.
+    New arrays, so that a donating step cannot delete the caller's: `device_put` may
+    reuse the input's buffer as one device's replica (even with may_alias=False), so
+    replicated leaves that came from a jax.Array are copied once more.
     """
-    return jax.device_put(tree, state_shardings(tree, mesh, parallel_mode), may_alias=False)
+    placed = jax.device_put(tree, state_shardings(tree, mesh, parallel_mode))
+
+    def fresh(new, old):
+        return jnp.copy(new) if isinstance(old, jax.Array) and new.sharding.is_fully_replicated else new
+
+    return jax.tree.map(fresh, placed, tree)
 
 
 def _check_rows(x, n: int) -> None:

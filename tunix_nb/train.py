@@ -22,8 +22,11 @@ Parallel strategies (`PARALLEL_MODES`), all with the same step body:
   P("data"), no device axis; explicit psum. pmap's direct successor.
 - "dp": jit with NamedShardings; state replicated, batch rows split; the all-reduce
   is inserted by XLA.
-- "fsdp": as dp, but params and optimizer state split over the mesh
-  (`parallel.fsdp_spec`); XLA all-gathers the params and reduce-scatters the grads.
+- "fsdp": as dp, but params and optimizer state stored split over the mesh
+  (`parallel.fsdp_spec`). One sharding constraint asks for whole params inside the
+  loss, so XLA all-gathers them for the forward/backward pass and reduce-scatters the
+  gradients back to the slices each device updates. (The whole tree at once: a large
+  model would gather layer by layer, e.g. inside a scan over layers.)
 """
 
 from __future__ import annotations
@@ -226,9 +229,10 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     (`tunix_nb.parallel`); loss sums, weights and gradients are psum'd over devices
     before the division, so every device applies the global batch's update. shard_map
     runs the same per-device body on a Mesh, without the leading device axis. dp and
-    fsdp compile the single-device body with `jax.jit` and shardings on a Mesh. For the
-    mesh strategies `mesh` defaults to `parallel.make_mesh()` (all devices), and the
-    result is a `MeshStep` (call it like a function; it carries `.mesh`).
+    fsdp compile the single-device body with `jax.jit` and shardings on a Mesh (fsdp
+    also asks for whole params inside the loss; see the module docstring). For the mesh
+    strategies `mesh` defaults to `parallel.make_mesh()` (all devices), and the result
+    is a `MeshStep` (call it like a function; it carries `.mesh`).
     `all_reduce=False` (pmap, shard_map) drops the psum (each device then trains on its
     own shard): it exists only to measure what the all-reduce costs. `donate=True` lets
     XLA reuse the input params/opt_state buffers for the outputs (less memory on an
@@ -240,9 +244,20 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
         raise ValueError(f"all_reduce=False needs per-device code (pmap or shard_map); under {parallel_mode!r} "
                          "the step sees the global batch and XLA inserts the collectives.")
     axis = {"pmap": parallel.DEVICE_AXIS, "shard_map": parallel.MESH_AXIS}.get(parallel_mode)
+    if parallel_mode in parallel.MESH_MODES and mesh is None:
+        mesh = parallel.make_mesh()
+    gather = None
+    if parallel_mode == "fsdp":  # the state is stored split; the forward/backward pass needs it whole
+        whole = parallel.replicated(mesh)
+        gather = lambda tree: lax.with_sharding_constraint(tree, whole)  # noqa: E731
 
     def step(params, opt_state, batch, frozen=None):
+        if gather is not None and frozen is not None:
+            frozen = gather(frozen)
+
         def local_loss_sum(p):
+            if gather is not None:  # XLA all-gathers here, and reduce-scatters the gradient back
+                p = gather(p)
             loss_sum, weight, metrics = objective(p, batch, frozen)
             return loss_sum, (weight, metrics)
 
@@ -262,8 +277,7 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
         return jax.jit(step, donate_argnums=donate_argnums)
     if parallel_mode == "pmap":
         return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
-    return MeshStep(step, parallel.make_mesh() if mesh is None else mesh, parallel_mode,
-                    donate_argnums=donate_argnums)
+    return MeshStep(step, mesh, parallel_mode, donate_argnums=donate_argnums)
 
 
 class MeshStep:
