@@ -212,3 +212,22 @@ def test_dpo_from_an_sft_checkpoint_on_2_devices_then_1(cli, tmp_path, reference
     np.testing.assert_allclose(lines[0]["loss"], 1.0 + 0.5 * lines[0]["sft/chosen_nll"], rtol=1e-5)
     clash = cli(*[a if a != "0.2" else "0.3" for a in argv])
     assert clash.returncode == 2 and "(beta: saved 0.2, given 0.3)" in clash.stderr
+
+
+def test_parallel_choices_are_the_train_modes():
+    from tunix_nb import cli, train
+
+    assert cli.PARALLEL_CHOICES == train.PARALLEL_MODES
+
+
+def test_a_run_saved_under_fsdp_resumes_under_dp_and_matches_jit(tmp_path, cli):
+    fsdp_dir, jit_dir = tmp_path / "fsdp", tmp_path / "jit"
+    common = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "4", "--save-every", "2"]
+    first = cli(*common, "--devices", "8", "--parallel", "fsdp", "--ckpt-dir", str(fsdp_dir), "--stop-after", "2")
+    assert first.returncode == 0, first.stderr
+    second = cli(*common, "--devices", "8", "--parallel", "dp", "--ckpt-dir", str(fsdp_dir))
+    assert second.returncode == 0 and "Resuming from the checkpoint at step 2" in second.stdout, second.stderr
+    ref = cli(*common, "--ckpt-dir", str(jit_dir))
+    assert ref.returncode == 0, ref.stderr
+    a, b = checkpoint.load_params(fsdp_dir), checkpoint.load_params(jit_dir)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) <= 1e-5

@@ -37,6 +37,8 @@ from pathlib import Path
 
 from tunix_nb import devices
 
+# train.PARALLEL_MODES, spelled out: the parser is built before JAX may start.
+PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
 COMMANDS = ("sft", "distill", "dpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # as tunix_nb.losses.DPO_LOSS_TYPES, without importing JAX
 # Flags that define a run: resuming with other values would be a different run.
@@ -127,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "run the same command again (without it) to resume")
     parser.add_argument("--devices", type=_positive_int,
                         help="on CPU, simulate N devices (must be set before JAX starts)")
-    parser.add_argument("--parallel", choices=("jit", "pmap"), default="jit",
-                        help="jit: one device; pmap: data parallel over all devices")
+    parser.add_argument("--parallel", choices=PARALLEL_CHOICES, default="jit",
+                        help="jit: one device; pmap: data parallel, replicated state; shard_map: the pmap "
+                             "step on a Mesh; dp: jit with a batch-sharded NamedSharding; fsdp: dp with "
+                             "params and optimizer state sharded too. Checkpoints restore under any of them")
     parser.add_argument("--metrics-file", help="write one JSON line per step (step, loss, ...)")
     parser.add_argument("--export-params", help="at the end, also write a params-only checkpoint here")
     return parser
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
     args.model = args.model or "student"
     if args.model not in model.PRESETS:
         parser.error(f"--model {args.model!r} is not a preset; choose one of {sorted(model.PRESETS)}")
-    n_devices = jax.local_device_count() if args.parallel == "pmap" else 1
+    n_devices = 1 if args.parallel == "jit" else jax.device_count()
     if args.batch_size % n_devices:
         parser.error(f"--batch-size {args.batch_size} does not divide by the {n_devices} devices; "
                      f"use a multiple of {n_devices}")
