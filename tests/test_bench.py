@@ -25,7 +25,9 @@ def test_every_figure_is_there_with_its_target(quick_results):
     assert set(results["figures"]) == set(bench.FIGURES)
     for name, fig in results["figures"].items():
         _, target, kind = bench.FIGURES[name]
-        assert isinstance(fig["value"], float) and fig["value"] > 0, name
+        # a share is clipped at 0 when noise makes the step without the all-reduce slower
+        assert isinstance(fig["value"], float) and (fig["value"] > 0 or name == "allreduce_share"), name
+        assert fig["value"] >= 0, name
         assert fig["target"] == target and fig["target_kind"] == kind
         if target is not None:
             assert fig["meets_target"] == (fig["value"] <= target if kind == "max" else fig["value"] >= target)
