@@ -209,14 +209,14 @@ def bench_dp(repeats, device_counts, quick=False):
     jit_step = train.make_step(objective, opt)
     t_jit = median_seconds(lambda: jit_step(params, opt_state, batch), repeats=repeats)
     modes = [m for m in ("pmap", "shard_map", "dp") if m in train.PARALLEL_MODES]
+    # the counts this machine has (on a single chip or CPU device: just 1)
+    device_counts = [n for n in device_counts if n <= jax.local_device_count()] or [jax.local_device_count()]
     table = {}
     for mode in modes:
         for n in device_counts:
-            if n > jax.local_device_count():
-                continue
             step, state, b = _placed_step(objective, opt, mode, (params, opt_state), batch, n)
             table.setdefault(mode, {})[n] = median_seconds(lambda: step(*state, b), repeats=repeats) / t_jit
-    n_max = max(n for n in device_counts if n <= jax.local_device_count())
+    n_max = max(device_counts)
     state = parallel.replicate((params, opt_state), n_max)
     b = parallel.shard_batch(batch, n_max)
     with_ar = train.make_step(objective, opt, parallel_mode="pmap")
