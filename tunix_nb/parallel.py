@@ -23,15 +23,19 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 DEVICE_AXIS = "devices"  # the name of the leading device axis of pmapped arrays
 
 
-def _devices(n_devices: int | None):
-    local = jax.local_devices()
-    n = len(local) if n_devices is None else n_devices
-    if not 1 <= n <= len(local):
+def _first_devices(have, n_devices: int | None, kind: str = ""):
+    """The first `n_devices` of `have` (all by default), or a clear error if there are fewer."""
+    n = len(have) if n_devices is None else n_devices
+    if not 1 <= n <= len(have):
         raise ValueError(
-            f"Asked for {n} devices but JAX has {len(local)} local device(s). Use n_devices <= "
-            f"{len(local)}, or restart with more simulated devices (tunix_nb.devices.simulate_cpu_devices)."
+            f"Asked for {n} devices but JAX has {len(have)} {kind}device(s). Use n_devices <= "
+            f"{len(have)}, or restart with more simulated devices (tunix_nb.devices.simulate_cpu_devices)."
         )
-    return local[:n]
+    return have[:n]
+
+
+def _devices(n_devices: int | None):
+    return _first_devices(jax.local_devices(), n_devices, "local ")
 
 
 def leading_axis_sharding(n_devices: int | None = None) -> NamedSharding:
@@ -90,14 +94,8 @@ def make_mesh(n_devices: int | None = None, axis: str = MESH_AXIS) -> Mesh:
     Its axis type is `Auto`: shardings are hints for the compiler, which inserts the
     collectives (JAX 0.10's `jax.make_mesh` defaults to `Explicit`, sharding-in-types).
     """
-    have = jax.devices()
-    n = len(have) if n_devices is None else n_devices
-    if not 1 <= n <= len(have):
-        raise ValueError(
-            f"Asked for {n} devices but JAX has {len(have)} device(s). Use n_devices <= "
-            f"{len(have)}, or restart with more simulated devices (tunix_nb.devices.simulate_cpu_devices)."
-        )
-    return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=have[:n])
+    devices = _first_devices(jax.devices(), n_devices)
+    return jax.make_mesh((len(devices),), (axis,), axis_types=(AxisType.Auto,), devices=devices)
 
 
 def _axis_size(mesh: Mesh, axis: str = MESH_AXIS) -> int:

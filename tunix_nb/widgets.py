@@ -16,6 +16,18 @@ from matplotlib.figure import Figure
 from tunix_nb import plots
 
 
+def _display_in(output, figure):
+    """Show `figure` in the `output` widget, replacing what it showed before."""
+    from IPython import get_ipython
+    from IPython.display import display
+
+    if get_ipython() is None:  # plain Python (a test, a script): nothing to show
+        return
+    output.clear_output(wait=True)
+    with output:
+        display(figure)
+
+
 class TemperatureExplorer(ipywidgets.VBox):
     """A temperature slider above teacher and student distributions and their KL.
 
@@ -62,14 +74,7 @@ class TemperatureExplorer(ipywidgets.VBox):
         return self.kl
 
     def _show(self):
-        from IPython import get_ipython
-        from IPython.display import display
-
-        if get_ipython() is None:  # plain Python (a test, a script): nothing to show
-            return
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(self.figure)
+        _display_in(self.output, self.figure)
 
 
 def _temperature_range(temperatures) -> tuple[float, float, float]:
@@ -171,14 +176,7 @@ class DpoExplorer(ipywidgets.VBox):
         return self.drawn
 
     def _show(self):
-        from IPython import get_ipython
-        from IPython.display import display
-
-        if get_ipython() is None:  # plain Python (a test, a script): nothing to show
-            return
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(self.figure)
+        _display_in(self.output, self.figure)
 
 
 def _dpo_note(beta: float, loss_type: str) -> str:
