@@ -20,6 +20,13 @@ steps draw no random numbers (no dropout), so the data seed in `meta` and the st
 unreplicated state). `restore(..., replicate_to=n)` replicates it again onto n devices,
 so a checkpoint written on 8 devices restores on 4, or on 1, bit for bit.
 
+**On a mesh, from several processes.** State placed on a mesh (dp, fsdp) is saved as
+the global arrays it is: with several processes (`tunix_nb.distributed`), every
+process calls `save` and writes its own shards, and Orbax's primary process writes the
+metadata. `restore(..., mesh=, parallel_mode=)` reads each array straight into the
+shardings that strategy wants (`parallel.state_shardings`), each process only its own
+shards; the checkpoint does not record how many processes or devices wrote it.
+
 **Damaged checkpoints.** Orbax writes a step into `<k>.orbax-checkpoint-tmp` and renames
 it to `<k>` only when complete, so a save killed midway never looks like a checkpoint
 (Orbax replaces that temporary directory when it saves step k again). Files damaged
@@ -103,7 +110,8 @@ def checksum(tree) -> str:
     arrays live: a tree saved on 8 devices and read back on the host gives the same value
     when the numbers are equal.
     """
-    leaves = sorted((_path_name(p), np.asarray(x)) for p, x in jax.tree_util.tree_leaves_with_path(_pure(tree)))
+    # to_host all-gathers arrays split across processes: every process gets the same value
+    leaves = sorted((_path_name(p), parallel.to_host(x)) for p, x in jax.tree_util.tree_leaves_with_path(_pure(tree)))
     crc = 0
     for name, a in leaves:
         crc = zlib.crc32(f"{name}:{a.dtype.str}:{a.shape};".encode(), crc)
@@ -135,7 +143,7 @@ def save(manager, step: int, *, params, opt_state, meta: dict, rng=None, replica
     sums = {"params": checksum(params), "opt_state": checksum(opt_state)}
     meta = {**meta, "step": step}
     if rng is not None:
-        rng_data = {"key_data": jax.random.key_data(rng)}
+        rng_data = {"key_data": np.asarray(jax.random.key_data(rng))}  # host data: the same in every process
         items["rng"] = ocp.args.StandardSave(rng_data)
         sums["rng"] = checksum(rng_data)
         meta["rng_impl"] = str(jax.random.key_impl(rng))
@@ -144,10 +152,12 @@ def save(manager, step: int, *, params, opt_state, meta: dict, rng=None, replica
     return manager.save(step, args=ocp.args.Composite(**items), force=force)
 
 
-def _on_one_device(tree):
-    """Abstract arrays (shape, dtype, sharding on local device 0) for a restore target."""
-    device0 = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=device0), tree)
+def _targets(tree, shardings=None):
+    """Abstract arrays (shape, dtype, sharding) to restore into: `shardings`, or local device 0."""
+    if shardings is None:
+        device0 = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device0, tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
 
 
 def _is_read_noise(text: str) -> bool:
@@ -257,13 +267,17 @@ def _verify(meta: dict, name: str, tree) -> None:
             f"{name} read back with checksum {checksum(tree)}, but it was saved with {saved}")
 
 
-def _restore_step(manager, step: int, params_like, opt_state_like):
+def _restore_step(manager, step: int, params_like, opt_state_like, placement):
+    params_like = _pure(params_like)
+    shardings = (None, None) if placement is None else parallel.state_shardings(
+        (params_like, opt_state_like), *placement)
     with _quiet_attempt():
         meta = _read_meta(manager, step)
-        items = {"params": ocp.args.StandardRestore(_on_one_device(_pure(params_like))),
-                 "opt_state": ocp.args.StandardRestore(_on_one_device(opt_state_like))}
-        if "rng_impl" in meta:
-            items["rng"] = ocp.args.StandardRestore()
+        items = {"params": ocp.args.StandardRestore(_targets(params_like, shardings[0])),
+                 "opt_state": ocp.args.StandardRestore(_targets(opt_state_like, shardings[1]))}
+        if "rng_impl" in meta:  # a host array: the same in every process
+            key_like = jax.random.key_data(jax.random.key(0, impl=meta["rng_impl"]))
+            items["rng"] = ocp.args.StandardRestore({"key_data": np.zeros(key_like.shape, key_like.dtype)})
         restored = manager.restore(step, args=ocp.args.Composite(**items))
     for name in items:
         _verify(meta, name, restored[name])
@@ -274,12 +288,14 @@ def _restore_step(manager, step: int, params_like, opt_state_like):
     return restored["params"], restored["opt_state"], meta
 
 
-def restore(manager, *, params_like, opt_state_like, step: int | None = None, replicate_to: int | None = None):
+def restore(manager, *, params_like, opt_state_like, step: int | None = None, replicate_to: int | None = None,
+            mesh=None, parallel_mode: str | None = None):
     """Restore (params, opt_state, meta) at `step`, or the newest checkpoint that restores.
 
     `params_like`/`opt_state_like` give the structure (a fresh model's params and
-    `opt.init` of them); the arrays come back on one device, or replicated onto
-    `replicate_to` devices for pmap. `meta` is the saved JSON (with `step`), plus the
+    `opt.init` of them); the arrays come back on one device, replicated onto
+    `replicate_to` devices for pmap, or placed on `mesh` as `parallel_mode` ("shard_map",
+    "dp", "fsdp") wants them, each process reading only its own shards. `meta` is the saved JSON (with `step`), plus the
     saved key as `meta["rng"]` when there is one.
 
     Without `step`: if the newest checkpoint is damaged, this warns
@@ -287,6 +303,11 @@ def restore(manager, *, params_like, opt_state_like, step: int | None = None, re
     nothing is deleted or moved. With `step`: a damaged checkpoint raises
     `DamagedCheckpointError`.
     """
+    if (mesh is None) != (parallel_mode is None):
+        raise ValueError("Give both mesh and parallel_mode (e.g. parallel.make_mesh(), 'fsdp'), or neither.")
+    if mesh is not None and replicate_to is not None:
+        raise ValueError("replicate_to (pmap) and mesh cannot be combined; choose one placement.")
+    placement = None if mesh is None else (mesh, parallel_mode)
     steps = sorted(manager.all_steps(), reverse=True)
     name = manager.directory.name
     if step is not None:
@@ -298,7 +319,7 @@ def restore(manager, *, params_like, opt_state_like, step: int | None = None, re
     failures = []
     for candidate in steps:
         try:
-            params, opt_state, meta = _restore_step(manager, candidate, params_like, opt_state_like)
+            params, opt_state, meta = _restore_step(manager, candidate, params_like, opt_state_like, placement)
         except Exception as err:  # a damaged checkpoint raises many kinds of errors
             why = _describe(err, manager.directory)
             del err  # drop the traceback (and the failed read's futures) now
@@ -350,7 +371,9 @@ def _reader(ckpt_dir):
     path = Path(ckpt_dir).absolute()
     if not path.is_dir():
         raise FileNotFoundError(f"No checkpoint directory {ckpt_dir}.")
-    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
+    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
+                                 item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                                "meta": ocp.JsonCheckpointHandler()})
 
 
 def _steps_to_try(manager, ckpt_dir, step):
@@ -392,7 +415,11 @@ def load_params(ckpt_dir, step: int | None = None):
     def read(s):
         with _quiet_attempt():
             meta = _read_meta(manager, s)
-            restored = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+            # shapes and dtypes from the checkpoint, onto this process's first device: it may
+            # have been written by other devices or processes than the ones here
+            saved = manager.item_metadata(s)["params"]
+            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
+            restored = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(_targets(like))))
         params = jax.tree.map(np.asarray, restored["params"])
         _verify(meta, "params", params)
         return params

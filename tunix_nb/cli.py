@@ -18,6 +18,13 @@ Resuming, in detail:
 - Checkpoints hold one copy of the state, so a run may resume on another device count
   (--devices, --parallel): bit for bit the same state, replicated onto the new devices.
 
+Several processes (a TPU pod slice, GPU hosts, or `python -m tunix_nb.launch` on one
+machine) run the same command with --coordinator/--num-processes/--process-id (or
+--distributed, to let JAX read them from the cluster) and --parallel dp, fsdp or
+shard_map: each process loads only its share of every batch, they save checkpoints
+together into one --ckpt-dir (shared storage), and process 0 prints and writes the
+metrics file.
+
 `preempt` (for tests and notebook 05) runs the CLI and SIGKILLs it between saves or
 during one.
 """
@@ -39,6 +46,7 @@ from tunix_nb import devices
 
 # train.PARALLEL_MODES, spelled out: the parser is built before JAX may start.
 PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
+MESH_CHOICES = ("shard_map", "dp", "fsdp")  # parallel.MESH_MODES: the strategies that span processes
 COMMANDS = ("sft", "distill", "dpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # as tunix_nb.losses.DPO_LOSS_TYPES, without importing JAX
 # Flags that define a run: resuming with other values would be a different run.
@@ -128,11 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop after this step, saving a checkpoint there, as if preempted; "
                              "run the same command again (without it) to resume")
     parser.add_argument("--devices", type=_positive_int,
-                        help="on CPU, simulate N devices (must be set before JAX starts)")
+                        help="on CPU, simulate N devices (per process, with several processes)")
     parser.add_argument("--parallel", choices=PARALLEL_CHOICES, default="jit",
                         help="jit: one device; pmap: data parallel, replicated state; shard_map: the pmap "
                              "step on a Mesh; dp: jit with a batch-sharded NamedSharding; fsdp: dp with "
                              "params and optimizer state sharded too. Checkpoints restore under any of them")
+    group = parser.add_argument_group(
+        "several processes", "one process per host (python -m tunix_nb.launch starts them on one machine); "
+        "needs --parallel dp, fsdp or shard_map")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0, where JAX's coordination service listens")
+    group.add_argument("--num-processes", type=_positive_int, help="how many processes take part")
+    group.add_argument("--process-id", type=int, help="this process's index, 0 ... --num-processes - 1")
+    group.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run whose coordinator, process count and index JAX "
+                            "detects (Cloud TPU pod slice, SLURM, Open MPI, Kubernetes)")
+    group.add_argument("--heartbeat-timeout", type=_positive_int, default=100,
+                       help="seconds after which a silent process counts as dead and the others stop")
     parser.add_argument("--metrics-file", help="write one JSON line per step (step, loss, ...)")
     parser.add_argument("--export-params", help="at the end, also write a params-only checkpoint here")
     return parser
@@ -158,6 +178,19 @@ def _check_flags(parser, args) -> None:
         parser.error(f"--stop-after {args.stop_after} is beyond --steps {args.steps}")
     if args.stop_after is not None and not args.ckpt_dir:
         parser.error("--stop-after needs --ckpt-dir: the run saves a checkpoint there to resume from")
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            parser.error(f"several processes need all of --coordinator, --num-processes and --process-id; "
+                         f"missing {', '.join(missing)} (or use --distributed on a cluster JAX detects)")
+        if not 0 <= args.process_id < args.num_processes:
+            parser.error(f"--process-id {args.process_id} must be in 0 ... {args.num_processes - 1}")
+        args.distributed = True
+    if args.distributed and args.parallel not in MESH_CHOICES:
+        parser.error(f"--parallel {args.parallel} runs within one process; with several processes use "
+                     f"one of {', '.join(MESH_CHOICES)}")
 
 
 def _newest_readable_meta(manager):
@@ -192,11 +225,22 @@ def main(argv=None) -> int:
     _check_flags(parser, args)
     if args.devices:
         devices.simulate_cpu_devices(args.devices)  # before anything starts JAX
+    if args.distributed:  # also before JAX starts: jax.devices() then lists every process's devices
+        from tunix_nb import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               heartbeat_timeout_s=args.heartbeat_timeout)
 
     import jax  # noqa: E402  (after the device count is fixed)
 
-    from tunix_nb import checkpoint, data, model, train
+    from tunix_nb import checkpoint, data, model, parallel, train
     from tunix_nb.tokenizer import ByteTokenizer
+
+    main_process = jax.process_index() == 0
+
+    def say(message):  # what every process would print alike: once, from process 0
+        if main_process:
+            print(message, flush=True)
 
     if args.command == "distill" and args.teacher is None:
         args.teacher = str(data.DATA_DIR / "teacher")
@@ -271,7 +315,9 @@ def main(argv=None) -> int:
     optimizer = train.make_optimizer(train.OptimizerConfig(
         learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps))
     opt_state = optimizer.init(params)
-    step_fn = train.make_step(objective, optimizer, parallel_mode=args.parallel, donate=True)
+    on_mesh = args.parallel in MESH_CHOICES
+    mesh = parallel.make_mesh() if on_mesh else None  # every process's devices
+    step_fn = train.make_step(objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh)
     run_key = jax.random.key(args.seed)
 
     start = 0
@@ -280,10 +326,11 @@ def main(argv=None) -> int:
         with warnings.catch_warnings(record=True) as caught:  # printed below, without file names
             warnings.simplefilter("always", checkpoint.DamagedCheckpointWarning)
             try:
-                restored = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state)
+                restored = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state,
+                                              mesh=mesh, parallel_mode=args.parallel if on_mesh else None)
             except checkpoint.DamagedCheckpointError as err:
                 restored = err
-        for w in caught:
+        for w in caught if main_process else ():
             print(f"warning: {w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
         if isinstance(restored, Exception):
             print(f"error: {restored}. Move the damaged steps out of --ckpt-dir {args.ckpt_dir} (or use "
@@ -297,35 +344,45 @@ def main(argv=None) -> int:
                   "the checkpoint was not written by this command. Nothing was changed.", file=sys.stderr)
             return 2
         for step in sorted(s for s in manager.all_steps() if s > start):  # they failed to restore
-            moved = checkpoint.set_aside(manager, step)
-            print(f"The checkpoint at step {step} is damaged: moved it aside to {moved.name} "
-                  "(nothing deleted), so that step can be saved again.", flush=True)
-        print(f"Resuming from the checkpoint at step {start} in {args.ckpt_dir}"
-              + (f" (newest was {newest})" if newest != start else ""), flush=True)
+            if main_process:  # one rename, by one process
+                moved = checkpoint.set_aside(manager, step)
+                say(f"The checkpoint at step {step} is damaged: moved it aside to {moved.name} "
+                    "(nothing deleted), so that step can be saved again.")
+        if jax.process_count() > 1:  # nobody saves before the renames are done
+            from jax.experimental import multihost_utils
 
-    metrics_file = Path(args.metrics_file) if args.metrics_file else None
+            multihost_utils.sync_global_devices("checkpoints set aside")
+            manager.reload()
+        say(f"Resuming from the checkpoint at step {start} in {args.ckpt_dir}"
+            + (f" (newest was {newest})" if newest != start else ""))
+
+    metrics_file = Path(args.metrics_file) if args.metrics_file and main_process else None
     if metrics_file is not None:  # keep the lines of steps already done, drop any beyond
         kept = _read_metrics(metrics_file, start) if metrics_file.exists() and start > 0 else []
         metrics_file.write_text("".join(line + "\n" for line in kept))
 
+    # this process's share of every global batch: all of it, unless several processes run
+    my_rows = parallel.process_rows(mesh, args.batch_size) if on_mesh else None
+
     def batch_fn(step):
-        return data.batch_at(rows, step, args.batch_size, seed=args.seed)
+        return data.batch_at(rows, step, args.batch_size, seed=args.seed, rows=my_rows)
 
     def log(step, record):
         if metrics_file is not None:
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    progress = sys.stderr.isatty()
+    progress = sys.stderr.isatty() and main_process
     stop = args.steps if args.stop_after is None else args.stop_after
     step = start
     while step < stop:  # run to the next save point, save (in the background), repeat
         chunk = min(args.save_every - step % args.save_every, stop - step)
-        # train.run replicates the state under pmap and hands back one (unreplicated) copy
+        # train.run replicates the state under pmap and hands back one (unreplicated) copy; on a
+        # mesh the state stays placed, and every process saves its own shards of it
         params, opt_state, _ = train.run(step_fn, params, opt_state, batch_fn, steps=chunk, start_step=step,
                                          parallel_mode=args.parallel, frozen=frozen,
                                          desc=f"{args.command} {step}->{step + chunk}", progress=progress,
-                                         on_step=log)
+                                         on_step=log, keep_placement=on_mesh)
         step += chunk
         if manager is not None:
             checkpoint.save(manager, step, params=params, opt_state=opt_state,
@@ -335,13 +392,16 @@ def main(argv=None) -> int:
         manager.wait_until_finished()
         manager.close()
     if step < args.steps:
-        print(f"Stopped after step {step} of {args.steps} (--stop-after); run the same command "
-              "without it to resume.", flush=True)
-        return 0
-    if args.export_params:
-        checkpoint.export_params(params, args.export_params, step=step,
-                                 meta={"model": args.model, "config": config})
-    print(f"Done: {args.command} {args.model}, {args.steps} steps.", flush=True)
+        say(f"Stopped after step {step} of {args.steps} (--stop-after); run the same command "
+            "without it to resume.")
+    else:
+        if args.export_params:
+            checkpoint.export_params(params, args.export_params, step=step,
+                                     meta={"model": args.model, "config": config})
+        say(f"Done: {args.command} {args.model}, {args.steps} steps"
+            + (f", {jax.process_count()} processes." if jax.process_count() > 1 else "."))
+    if args.distributed:  # leave together: waits for the other processes to finish too
+        distributed.shutdown()
     return 0
 
 

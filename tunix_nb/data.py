@@ -417,7 +417,7 @@ def prompt_arrays(prompts: Sequence[str], tokenizer: Tokenizer, prompt_len: int)
 
 
 def batch_at(
-    arrays: Mapping[str, np.ndarray], step: int, batch_size: int, *, seed: int
+    arrays: Mapping[str, np.ndarray], step: int, batch_size: int, *, seed: int, rows: slice | None = None
 ) -> dict[str, np.ndarray]:
     """The batch for training step `step`: a pure function of (seed, step).
 
@@ -426,6 +426,9 @@ def batch_at(
     step*batch_size ... +batch_size-1 of that endless stream, so a batch may take the
     tail of one epoch and the head of the next, and every batch is full. Resuming
     from a checkpoint at step k needs no saved data-loader state.
+
+    `rows` picks a part of the batch (e.g. `parallel.process_rows(...)`, this process's
+    share in a multi-process run): only those rows are gathered.
     """
     if not arrays:
         raise DataError("batch_at got no arrays; pass e.g. the dict from sft_arrays().")
@@ -449,6 +452,8 @@ def batch_at(
         perm = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
         sel = epochs == epoch
         idx[sel] = perm[offsets[sel]]
+    if rows is not None:
+        idx = idx[rows]
     return {k: np.asarray(v)[idx] for k, v in arrays.items()}
 
 

@@ -18,6 +18,7 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DEVICE_AXIS = "devices"  # the name of the leading device axis of pmapped arrays
@@ -71,7 +72,7 @@ def shard_batch(batch, n_devices: int | None = None):
 
     def put(x):
         x = np.asarray(x)
-        _check_rows(x, n)
+        _check_rows(x.shape[0], n)
         return jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), sharding)
 
     return jax.tree.map(put, batch)
@@ -151,19 +152,19 @@ def place_state(tree, mesh: Mesh, parallel_mode: str):
     """Put the training state on the mesh as `parallel_mode` wants it, as new arrays.
 
     New arrays, so that a donating step cannot delete the caller's: `device_put` may
-    reuse the input's buffer as one device's replica (even with may_alias=False), so
-    replicated leaves that came from a jax.Array are copied once more.
+    reuse the input's buffer as one device's replica (even with may_alias=False), and
+    returns an array already placed as it is, so such leaves are copied once more.
     """
     placed = jax.device_put(tree, state_shardings(tree, mesh, parallel_mode))
 
     def fresh(new, old):
-        return jnp.copy(new) if isinstance(old, jax.Array) and new.sharding.is_fully_replicated else new
+        reused = new is old or new.sharding.is_fully_replicated
+        return jnp.copy(new) if isinstance(old, jax.Array) and reused else new
 
     return jax.tree.map(fresh, placed, tree)
 
 
-def _check_rows(x, n: int) -> None:
-    rows = np.shape(x)[0]
+def _check_rows(rows: int, n: int) -> None:
     if rows % n:
         raise ValueError(
             f"The global batch of {rows} rows does not divide by the {n} devices. "
@@ -172,29 +173,73 @@ def _check_rows(x, n: int) -> None:
         )
 
 
+def process_rows(mesh: Mesh, global_rows: int, axis: str = MESH_AXIS) -> slice:
+    """The rows of a [global_rows, ...] batch that this process loads: all of them with one process.
+
+    With several processes (`tunix_nb.distributed`), each holds the rows of its own
+    devices under P("data"): on a mesh ordered like `jax.devices()`, process p of P
+    gets the p-th contiguous block of global_rows / P rows.
+    """
+    _check_rows(global_rows, _axis_size(mesh, axis))
+    index_map = data_sharding(mesh, axis).addressable_devices_indices_map((global_rows,))
+    blocks = sorted({(idx[0].start or 0, global_rows if idx[0].stop is None else idx[0].stop)
+                     for idx in index_map.values()})
+    if any(a[1] != b[0] for a, b in zip(blocks, blocks[1:])):
+        raise ValueError("This process's devices hold rows that are not contiguous on the mesh; "
+                         "build the mesh with parallel.make_mesh (devices in jax.devices() order).")
+    return slice(blocks[0][0], blocks[-1][1])
+
+
 def place_batch(batch, mesh: Mesh, axis: str = MESH_AXIS):
-    """Split a global batch's rows over the mesh: leaf [B, ...] stays [B, ...], sharded P("data").
+    """Split a batch's rows over the mesh: leaf [B, ...] becomes the global [B, ...], sharded P("data").
 
     Device i holds rows i*B/n ... (i+1)*B/n - 1, as with `shard_batch`, but there is no
-    leading device axis: the array is still the global batch.
+    leading device axis: the array is the global batch. `batch` holds the rows *this
+    process* loaded: the whole global batch with one process; with several, its own
+    `process_rows` of it (each process loads only its share, and
+    `jax.make_array_from_process_local_data` assembles the global array from them).
     """
     n = _axis_size(mesh, axis)
+    n_processes = len({d.process_index for d in mesh.devices.flat})
     sharding = data_sharding(mesh, axis)
 
     def put(x):
-        _check_rows(x, n)
-        return jax.device_put(x, sharding)
+        x = np.asarray(x)
+        global_shape = (x.shape[0] * n_processes, *x.shape[1:])
+        _check_rows(global_shape[0], n)
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     return jax.tree.map(put, batch)
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of an array as NumPy, wherever its shards live.
+
+    An array split over several processes' devices (FSDP state) is all-gathered: a
+    collective, so every process must call this in the same order. Replicated and
+    single-process arrays are read locally.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def gather(tree):
     """Every leaf whole on (local) device 0: undoes any mesh placement (all-gathers FSDP shards).
 
-    What a strategy-independent caller (checkpoints, evaluation) wants back.
+    What a strategy-independent caller (checkpoints, evaluation) wants back. With
+    several processes, every process gets its own whole copy (see `to_host`).
     """
     device0 = jax.local_devices()[0]
-    return jax.tree.map(lambda x: jax.device_put(x, device0), tree)
+
+    def whole(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = to_host(x)
+        return jax.device_put(x, device0)
+
+    return jax.tree.map(whole, tree)
 
 
 def bytes_per_device(tree) -> dict:

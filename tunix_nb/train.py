@@ -337,17 +337,20 @@ def init_opt_state(optimizer, params):
 def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: int, start_step: int = 0,
         parallel_mode: str = "jit", frozen=None, desc: str = "train", progress: bool = True,
         on_step: Callable[[int, dict], None] | None = None,
-        eval_fn: Callable[[object], dict] | None = None, eval_every: int = 0):
+        eval_fn: Callable[[object], dict] | None = None, eval_every: int = 0, keep_placement: bool = False):
     """Run `steps` steps from `start_step`; returns (params, opt_state, history).
 
-    `batch_fn(step)` gives the global batch for a step. Under pmap the state is
-    replicated once and the batches sharded here; under shard_map/dp/fsdp they are
-    placed on the step's mesh (`step_fn.mesh`, else all devices). Whatever the
-    strategy, the returned state is whole on one device, so checkpoints and evaluation
-    need not know which strategy ran. `history` is a list of per-step metric dicts of
-    Python floats; every `eval_every` steps, `eval_fn(params)` (params on one device)
-    adds its metrics (e.g. "eval/loss") to that step's dict. A tqdm progress bar shows
-    the loss.
+    `batch_fn(step)` gives the step's batch rows that this process loads: the whole
+    global batch with one process; with several processes (`tunix_nb.distributed`), this
+    process's `parallel.process_rows` of it. Under pmap the state is replicated once
+    and the batches sharded here; under shard_map/dp/fsdp they are placed on the step's
+    mesh (`step_fn.mesh`, else all devices). Whatever the strategy, the returned state
+    is whole on one device, so checkpoints and evaluation need not know which strategy
+    ran; `keep_placement=True` (mesh strategies) returns it as it lies on the mesh
+    instead, e.g. to save it with Orbax from several processes at once. `history` is a
+    list of per-step metric dicts of Python floats; every `eval_every` steps,
+    `eval_fn(params)` (params on one device) adds its metrics (e.g. "eval/loss") to
+    that step's dict. A tqdm progress bar shows the loss.
     """
     if parallel_mode not in PARALLEL_MODES:
         raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
@@ -356,6 +359,12 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
         raise ValueError(f"The step was built for parallel_mode={built_for!r} but run() was given "
                          f"{parallel_mode!r}; pass the same mode to make_step and run.")
     on_mesh = parallel_mode in parallel.MESH_MODES
+    if jax.process_count() > 1 and not on_mesh:
+        raise ValueError(f"parallel_mode={parallel_mode!r} runs within one process, but this is process "
+                         f"{jax.process_index()} of {jax.process_count()}; use one of {parallel.MESH_MODES}.")
+    if keep_placement and not on_mesh:
+        raise ValueError(f"keep_placement=True applies to the mesh strategies {parallel.MESH_MODES}, "
+                         f"not {parallel_mode!r}.")
     mesh = (getattr(step_fn, "mesh", None) or parallel.make_mesh()) if on_mesh else None
     n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
     if parallel_mode == "pmap":
@@ -393,7 +402,8 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
         bar.set_postfix(loss=f"{record['loss']:.4f}")
         if on_step is not None:
             on_step(step + 1, record)
-    params, opt_state = on_one_device((params, opt_state))
+    if not keep_placement:
+        params, opt_state = on_one_device((params, opt_state))
     return params, opt_state, history
 
 

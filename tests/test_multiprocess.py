@@ -1,0 +1,193 @@
+"""Multi-process training on localhost: `python -m tunix_nb.launch` and `tunix_nb.distributed`.
+
+Two JAX processes with 4 simulated CPU devices each must train to the parameters of one
+process with 8 (same global batches), save and restore Orbax checkpoints together,
+shut down cleanly, and stop, within a bounded time, when one of them dies.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tunix_nb import checkpoint, cli, data, launch, parallel
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = ["sft", "--model", "tiny", "--steps", "10", "--batch-size", "16", "--save-every", "5", "--seed", "3"]
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _launch(args, lines, **kwargs) -> int:
+    return launch.launch(args, processes=2, devices_per_process=4, timeout_s=240, print_fn=lines.append, **kwargs)
+
+
+# ------------------------------------------------------------------ the 2x4 run against 1x8
+
+
+def test_two_processes_save_resume_and_match_one_process(tmp_path, capsys):
+    """2x4 fsdp, stopped at step 5 and resumed from the checkpoint both processes wrote,
+    ends within 1e-5 of an uninterrupted 1x8 run; both leave with exit code 0."""
+    lines = []
+    two = tmp_path / "two_by_four"
+    assert _launch([*RUN, "--parallel", "fsdp", "--ckpt-dir", str(two), "--stop-after", "5"], lines) == 0, lines
+    assert sorted(int(p.name) for p in two.iterdir() if p.name.isdigit()) == [5]
+    assert _launch([*RUN, "--parallel", "fsdp", "--ckpt-dir", str(two)], lines) == 0, lines
+    text = "\n".join(lines)
+    assert "[process 0] Resuming from the checkpoint at step 5" in text
+    assert "[process 0] Done: sft tiny, 10 steps, 2 processes." in text
+    assert "launch: all 2 processes finished" in text
+    assert "[process 1] Done" not in text  # process 0 speaks for the group
+    assert "Gloo" not in text  # gloo's connection chatter is filtered out
+
+    one = tmp_path / "one_by_eight"  # this test process has 8 simulated devices
+    assert cli.main([*RUN, "--parallel", "dp", "--ckpt-dir", str(one)]) == 0
+    capsys.readouterr()
+    diff = _max_diff(checkpoint.load_params(two), checkpoint.load_params(one))
+    assert diff <= 1e-5, f"2x4 vs 1x8: largest parameter difference {diff}"
+    # the optimizer state came back from the shards of both processes too
+    assert checkpoint.load_meta(two)["step"] == checkpoint.load_meta(one)["step"] == 10
+
+
+def test_launcher_stops_the_others_when_a_process_dies(tmp_path):
+    """SIGKILL one process mid-run: the launcher kills the other and names the dead one."""
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "tunix_nb.launch", "--", "sft", "--model", "tiny", "--parallel", "dp",
+           "--steps", "5000", "--batch-size", "16", "--save-every", "1000", "--metrics-file", str(metrics)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        pids = [int(p) for p in first.split("pids ")[1].split()]
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no training steps: {first}"
+            time.sleep(0.2)
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert f"process 1 (pid {pids[1]}) was killed by SIGKILL; stopped the other process (0)" in out
+    assert took < 30, f"the launcher took {took:.0f} s to stop"
+    for pid in pids:  # both gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+HEARTBEAT_WORKER = textwrap.dedent("""
+    import os, sys, time
+    from tunix_nb import devices, distributed
+    devices.simulate_cpu_devices(2)
+    distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), heartbeat_timeout_s=3)
+    import jax, jax.numpy as jnp
+    from tunix_nb import parallel
+    mesh = parallel.make_mesh()
+    total = jax.jit(lambda x: x.sum(), out_shardings=parallel.replicated(mesh))
+    x = parallel.place_batch(jnp.ones((2,)), mesh)  # each process's rows: one per device
+    print("ready", float(total(x)), flush=True)
+    if sys.argv[2] == "1":
+        os._exit(0)  # dies without leaving the group
+    for _ in range(600):  # would block in its next all-reduce for good without heartbeats
+        float(total(x))
+        time.sleep(0.1)
+    print("never stopped", flush=True)
+""")
+
+
+def test_without_launcher_a_lost_process_stops_the_others_by_heartbeat(tmp_path):
+    """On a cluster there is no launcher: JAX's heartbeat ends the survivors with an error."""
+    script = tmp_path / "worker.py"
+    script.write_text(HEARTBEAT_WORKER)
+    address = f"127.0.0.1:{launch.free_port()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), address, str(i)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        out0, _ = procs[0].communicate(timeout=90)
+        out1, _ = procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "ready 4.0" in out0 and "ready 4.0" in out1  # 2 rows per process, summed across both
+    assert procs[0].returncode != 0 and "never stopped" not in out0
+    assert "another task died" in out0 or "stopped sending heartbeats" in out0, out0[-2000:]
+
+
+# ------------------------------------------------------------------ pieces, on one process
+
+
+def test_process_rows_and_place_batch_on_one_process():
+    mesh = parallel.make_mesh()
+    assert parallel.process_rows(mesh, 16) == slice(0, 16)  # one process loads every row
+    batch = {"x": np.arange(32).reshape(16, 2)}
+    placed = parallel.place_batch(batch, mesh)
+    assert placed["x"].shape == (16, 2) and placed["x"].sharding.spec == parallel.data_sharding(mesh).spec
+    np.testing.assert_array_equal(np.asarray(placed["x"]), batch["x"])
+    with pytest.raises(ValueError, match="does not divide by the 8 devices"):
+        parallel.process_rows(mesh, 12)
+
+
+def test_batch_at_rows_loads_only_that_part():
+    arrays = {"a": np.arange(100) * 10}
+    whole = data.batch_at(arrays, 7, 16, seed=1)
+    part = data.batch_at(arrays, 7, 16, seed=1, rows=slice(8, 16))
+    np.testing.assert_array_equal(part["a"], whole["a"][8:16])
+
+
+def test_to_host_and_gather_whole_values():
+    mesh = parallel.make_mesh()
+    x = parallel.place_state({"w": np.arange(64.0).reshape(16, 4)}, mesh, "fsdp")["w"]
+    assert not x.sharding.is_fully_replicated
+    np.testing.assert_array_equal(parallel.to_host(x), np.arange(64.0).reshape(16, 4))
+    assert parallel.gather(x).sharding.device_set == {jax.local_devices()[0]}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sft", "--parallel", "dp"], "put the training command after --"),
+    (["--", "sft"], "--parallel dp, fsdp or shard_map"),
+    (["--", "sft", "--parallel", "pmap"], "--parallel dp, fsdp or shard_map"),
+    (["--", "sft", "--parallel", "dp", "--devices", "2"], "Leave --devices out"),
+    (["--", "sft", "--parallel=dp", "--process-id=1"], "Leave --process-id out"),
+])
+def test_launcher_refuses_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--coordinator", "127.0.0.1:1234", "--parallel", "dp"], "missing --num-processes, --process-id"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2", "--parallel", "dp"],
+     "--process-id 2 must be in 0 ... 1"),
+    (["--distributed"], "--parallel jit runs within one process"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "--parallel", "pmap"],
+     "--parallel pmap runs within one process"),
+])
+def test_cli_refuses_incomplete_multi_process_flags(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["sft", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gloo_chatter_is_noise_and_real_output_is_not():
+    assert launch.is_noise("[Gloo] Rank 5 is connected to 7[Gloo] Rank 6 is connected to 7 peer ranks. "
+                           "Expected number of connected peer ranks is : 7")
+    assert launch.is_noise(" peer ranks. Expected number of connected peer ranks is : 7")
+    assert launch.is_noise("7")
+    assert not launch.is_noise("Done: sft tiny, 10 steps.")
+    assert not launch.is_noise("ValueError: 3")

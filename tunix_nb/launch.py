@@ -1,0 +1,209 @@
+"""`python -m tunix_nb.launch`: run the training CLI as several JAX processes on this machine.
+
+    python -m tunix_nb.launch --processes 2 --devices-per-process 4 -- sft --parallel dp --ckpt-dir runs/mp
+
+starts `python -m tunix_nb.train <args after -->` once per process, each with its own
+simulated CPU devices, joined by `jax.distributed` through a coordinator on loopback
+(process 0) and all-reducing over gloo. Together they are one 8-device program: the
+same command as a single process with `--devices 8`, with each process loading only
+its share of every batch and writing its own shards of every checkpoint.
+
+Each output line is prefixed with `[process i]`. If a process fails or is killed, the
+launcher stops the others at once and exits non-zero with a message
+naming the process and how it ended: a lost process would otherwise leave the rest
+blocked in their next collective until JAX's heartbeat timeout ends them.
+
+On a TPU pod slice or several GPU hosts you do not need this launcher: run the same
+`python -m tunix_nb.train ... --distributed` command on every host (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # on loopback a silent process is a dead one; clusters use JAX's 100 s
+# gloo prints a line per connection from several threads at once, word by word, so its
+# pieces interleave: drop any line made only of these pieces and numbers
+GLOO_PIECES = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :")
+
+
+def is_noise(line: str) -> bool:
+    """True for gloo's connection chatter or a fragment of it (and blank lines): nothing to show."""
+    return all(word.isdigit() for word in GLOO_PIECES.sub(" ", line).split())
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_train_args(train_args) -> None:
+    for flag in ("--coordinator", "--num-processes", "--process-id", "--devices", "--distributed"):
+        if any(a == flag or a.startswith(flag + "=") for a in train_args):
+            raise ValueError(f"Leave {flag} out of the training arguments: the launcher sets it for each process.")
+    parallel = [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--parallel"]
+    parallel += [a.split("=", 1)[1] for a in train_args if a.startswith("--parallel=")]
+    if not parallel or parallel[-1] not in ("dp", "fsdp", "shard_map"):
+        raise ValueError("Give the training arguments --parallel dp, fsdp or shard_map: the strategies "
+                         "whose mesh spans several processes.")
+
+
+def process_command(train_args, *, process_id: int, processes: int, devices_per_process: int,
+                    coordinator: str, heartbeat_timeout_s: int) -> list[str]:
+    """The command line of one process: the training CLI plus where it stands in the group."""
+    return [sys.executable, "-u", "-m", "tunix_nb.train", *train_args,
+            "--devices", str(devices_per_process), "--coordinator", coordinator,
+            "--num-processes", str(processes), "--process-id", str(process_id),
+            "--heartbeat-timeout", str(heartbeat_timeout_s)]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop(procs) -> None:
+    """SIGKILL every process still running, and reap them.
+
+    Not SIGTERM: JAX's preemption notifier catches it in every process, and a process
+    whose peer is gone can neither finish its step nor save. Committed checkpoints are
+    safe; a save cut short stays a `*.orbax-checkpoint-tmp` directory that resuming ignores.
+    """
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
+def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port: int | None = None,
+           heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S, timeout_s: float | None = None,
+           print_fn: Callable[[str], None] = print) -> int:
+    """Run `python -m tunix_nb.train *train_args` as `processes` JAX processes; returns the exit code.
+
+    0 when every process finished cleanly. Otherwise the first failure's code (1 for a
+    process killed by a signal, or for `timeout_s` running out), after stopping the
+    rest. Every output line goes through `print_fn`, prefixed `[process i]`.
+    """
+    if processes < 1 or devices_per_process < 1:
+        raise ValueError(f"processes={processes} and devices_per_process={devices_per_process} must be >= 1.")
+    train_args = list(train_args)
+    _check_train_args(train_args)
+    coordinator = f"127.0.0.1:{port or free_port()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    lines: queue.Queue = queue.Queue()
+    procs = []
+    for i in range(processes):
+        cmd = process_command(train_args, process_id=i, processes=processes,
+                              devices_per_process=devices_per_process, coordinator=coordinator,
+                              heartbeat_timeout_s=heartbeat_timeout_s)
+        # its own session: a signal meant for the launcher's terminal does not hit it directly
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=env, start_new_session=True))
+
+    def pump(i, stream):
+        for line in stream:
+            lines.put((i, line.rstrip("\n")))
+        lines.put((i, None))
+
+    readers = [threading.Thread(target=pump, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
+    print_fn(f"launch: {processes} processes x {devices_per_process} CPU devices, coordinator {coordinator}, "
+             f"pids {' '.join(str(p.pid) for p in procs)}")
+
+    def drain(block_s):
+        try:
+            i, line = lines.get(timeout=block_s)
+        except queue.Empty:
+            return
+        while True:
+            if line is not None and not is_noise(line):
+                print_fn(f"[process {i}] {line}")
+            try:
+                i, line = lines.get_nowait()
+            except queue.Empty:
+                return
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failure = None
+    while failure is None:
+        drain(0.2)
+        codes = [p.poll() for p in procs]
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            failure = failed[0]
+        elif None not in codes:
+            break
+        elif deadline is not None and time.monotonic() > deadline:
+            failure = (None, None)
+    if failure is not None:
+        _stop(procs)
+    for t in readers:
+        t.join(timeout=5)
+    drain(0)
+    if failure is None:
+        print_fn(f"launch: all {processes} processes finished")
+        return 0
+    i, code = failure
+    if i is None:
+        print_fn(f"launch: error: the run took longer than {timeout_s} s; stopped all {processes} processes.")
+        return 1
+    others = [j for j in range(processes) if j != i]
+    print_fn(f"launch: error: process {i} (pid {procs[i].pid}) {_describe_exit(code)}; stopped the "
+             f"other process{'es' if len(others) > 1 else ''} ({', '.join(map(str, others))}), which would "
+             "otherwise wait for it in their next collective. Any error it printed is above. Rerun the "
+             "same command to resume from the newest checkpoint in --ckpt-dir.")
+    return code if code > 0 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tunix_nb.launch", description=__doc__.splitlines()[0],
+        usage="python -m tunix_nb.launch [--processes N] [--devices-per-process D] -- {sft,distill,dpo} ...",
+        epilog="Everything after -- goes to python -m tunix_nb.train (see its --help); it must include "
+               "--parallel dp, fsdp or shard_map.")
+    parser.add_argument("--processes", type=int, default=2, help="how many JAX processes (default: 2)")
+    parser.add_argument("--devices-per-process", type=int, default=4,
+                        help="simulated CPU devices per process (default: 4)")
+    parser.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                        help="seconds of silence after which JAX declares a process dead "
+                             f"(default: {DEFAULT_HEARTBEAT_TIMEOUT_S})")
+    parser.add_argument("--timeout", type=float, help="stop every process after this many seconds")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        build_parser().error("put the training command after --, e.g. -- sft --parallel dp --steps 20")
+    split = argv.index("--")
+    parser = build_parser()
+    args = parser.parse_args(argv[:split])
+    try:
+        return launch(argv[split + 1:], processes=args.processes, devices_per_process=args.devices_per_process,
+                      port=args.port, heartbeat_timeout_s=args.heartbeat_timeout, timeout_s=args.timeout,
+                      print_fn=lambda line: print(line, flush=True))
+    except ValueError as err:
+        parser.error(str(err))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
