@@ -6,6 +6,7 @@ shut down cleanly, and stop, within a bounded time, when one of them dies.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,11 +37,16 @@ def _launch(args, lines, **kwargs) -> int:
 
 def test_two_processes_save_resume_and_match_one_process(tmp_path, capsys):
     """2x4 fsdp, stopped at step 5 and resumed from the checkpoint both processes wrote,
-    ends within 1e-5 of an uninterrupted 1x8 run; both leave with exit code 0."""
+    ends within 1e-5 of an uninterrupted 1x8 run; so does resuming that checkpoint in one
+    process; every process leaves with exit code 0."""
     lines = []
     two = tmp_path / "two_by_four"
     assert _launch([*RUN, "--parallel", "fsdp", "--ckpt-dir", str(two), "--stop-after", "5"], lines) == 0, lines
     assert sorted(int(p.name) for p in two.iterdir() if p.name.isdigit()) == [5]
+    assert {p.name for p in (two / "5" / "params").glob("ocdbt.process_*")} == {"ocdbt.process_0",
+                                                                                "ocdbt.process_1"}
+    resumed_alone = tmp_path / "resumed_in_one_process"
+    shutil.copytree(two, resumed_alone)
     assert _launch([*RUN, "--parallel", "fsdp", "--ckpt-dir", str(two)], lines) == 0, lines
     text = "\n".join(lines)
     assert "[process 0] Resuming from the checkpoint at step 5" in text
@@ -49,13 +55,16 @@ def test_two_processes_save_resume_and_match_one_process(tmp_path, capsys):
     assert "[process 1] Done" not in text  # process 0 speaks for the group
     assert "Gloo" not in text  # gloo's connection chatter is filtered out
 
-    one = tmp_path / "one_by_eight"  # this test process has 8 simulated devices
+    # this test process has 8 simulated devices: the 1x8 runs happen here
+    one = tmp_path / "one_by_eight"
     assert cli.main([*RUN, "--parallel", "dp", "--ckpt-dir", str(one)]) == 0
-    capsys.readouterr()
-    diff = _max_diff(checkpoint.load_params(two), checkpoint.load_params(one))
-    assert diff <= 1e-5, f"2x4 vs 1x8: largest parameter difference {diff}"
-    # the optimizer state came back from the shards of both processes too
-    assert checkpoint.load_meta(two)["step"] == checkpoint.load_meta(one)["step"] == 10
+    assert cli.main([*RUN, "--parallel", "dp", "--ckpt-dir", str(resumed_alone)]) == 0
+    assert "Resuming from the checkpoint at step 5" in capsys.readouterr().out
+    reference = checkpoint.load_params(one)
+    for run in (two, resumed_alone):
+        diff = _max_diff(checkpoint.load_params(run), reference)
+        assert diff <= 1e-5, f"{run.name} vs one process x 8 devices: largest parameter difference {diff}"
+        assert checkpoint.load_meta(run)["step"] == 10
 
 
 def test_launcher_stops_the_others_when_a_process_dies(tmp_path):
