@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -48,6 +49,42 @@ def median_seconds(fn, *, repeats: int, warmup: int = 2) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def interleaved_medians(fns: dict, *, repeats: int, warmup: int = 2, min_seconds: float = 0.01) -> dict:
+    """{name: median seconds per call} of each fn(), timed in turns: A, B, C, A, B, C, ...
+
+    For ratios on a shared machine: a burst of load from elsewhere then slows every
+    contender alike, instead of falling on whichever one happened to be timed then.
+    A fast fn is called several times per sample (enough for `min_seconds`), so that
+    timer resolution and per-sample jitter do not dominate a millisecond call.
+    """
+    import jax
+    import numpy as np
+
+    calls = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            one = time.perf_counter() - t0
+        calls[name] = max(1, math.ceil(min_seconds / max(one, 1e-9)))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls[name]):
+                out = fn()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / calls[name])
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def cost(jitted, *args) -> dict:
+    """XLA's own estimate for one call of a jitted function: {"flops", "bytes_accessed"}."""
+    analysis = jitted.lower(*args).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis  # a list in older JAX
+    return {"flops": float(analysis.get("flops", 0.0)), "bytes_accessed": float(analysis.get("bytes accessed", 0.0))}
 
 
 def machine() -> dict:
@@ -103,14 +140,18 @@ def bench_vmap(batch_sizes, repeats, seq_len=24, vocab=259):
         y = jax.random.randint(k3, (b, seq_len), 0, vocab)
         m = (jnp.arange(seq_len) < 6).astype(jnp.float32)[None].repeat(b, 0)
         loop = lambda: [one(s[i], t[i], y[i], m[i]) for i in range(b)]
-        times = {name: median_seconds(fn, repeats=repeats) for name, fn in
-                 (("loop", loop), ("vmap", lambda: vmapped(s, t, y, m)), ("batched", lambda: batched(s, t, y, m)))}
+        times = interleaved_medians({"loop": loop, "vmap": lambda: vmapped(s, t, y, m),
+                                     "batched": lambda: batched(s, t, y, m)}, repeats=repeats)
         curve[b] = {**{f"{k}_seconds": v for k, v in times.items()},
                     "loop_over_vmap": times["loop"] / times["vmap"], "vmap_over_batched": times["vmap"] / times["batched"]}
     at = 64 if 64 in curve else max(curve)
     shape = {"batch_size": at, "seq_len": seq_len, "vocab": vocab, "repeats": repeats}
+    # what XLA compiled for each: equal costs mean the two programs do the same work
+    args = (jnp.zeros((at, seq_len, vocab)), jnp.zeros((at, seq_len, vocab)),
+            jnp.zeros((at, seq_len), jnp.int32), jnp.ones((at, seq_len)))
+    xla_cost = {"vmap": cost(vmapped, *args), "batched": cost(batched, *args)}
     return {**_figure("vmap_speedup_over_loop", curve[at]["loop_over_vmap"], **shape, curve=curve),
-            **_figure("vmap_over_batched_ratio", curve[at]["vmap_over_batched"], **shape)}
+            **_figure("vmap_over_batched_ratio", curve[at]["vmap_over_batched"], **shape, xla_cost=xla_cost)}
 
 
 # ------------------------------------------------------------------------------- mfu
@@ -221,15 +262,17 @@ def bench_dp(repeats, device_counts, quick=False):
     b = parallel.shard_batch(batch, n_max)
     with_ar = train.make_step(objective, opt, parallel_mode="pmap")
     without_ar = train.make_step(objective, opt, parallel_mode="pmap", all_reduce=False)
-    t_with = median_seconds(lambda: with_ar(*state, b), repeats=repeats)
-    t_without = median_seconds(lambda: without_ar(*state, b), repeats=repeats)
+    t = interleaved_medians({"with": lambda: with_ar(*state, b), "without": lambda: without_ar(*state, b)},
+                            repeats=repeats)
+    t_with, t_without = t["with"], t["without"]
     # The all-reduce moves a fixed amount (one gradient); the compute grows with the batch.
     by_batch = {}
     for global_batch in (() if quick else (64, 256)):
         big = {k: np.concatenate([v] * (global_batch // 64)) for k, v in batch.items()}
         bb = parallel.shard_batch(big, n_max)
-        tw = median_seconds(lambda: with_ar(*state, bb), repeats=repeats)
-        to = median_seconds(lambda: without_ar(*state, bb), repeats=repeats)
+        t = interleaved_medians({"with": lambda: with_ar(*state, bb), "without": lambda: without_ar(*state, bb)},
+                                repeats=repeats)
+        tw, to = t["with"], t["without"]
         by_batch[global_batch] = {"step_seconds": tw, "share": max(tw - to, 0.0) / tw}
     worst = max(table[m][n_max] for m in table)
     return {**_figure("dp_overhead", worst, at_devices=n_max, per_strategy=table, jit_step_seconds=t_jit,
@@ -298,6 +341,8 @@ def bench_ckpt(megabytes, repeats):
 
 
 def bench_dpo(repeats):
+    import jax
+
     from tunix_nb import data, model, train
     from tunix_nb.tokenizer import ByteTokenizer
 
@@ -307,12 +352,33 @@ def bench_dpo(repeats):
     batch = data.batch_at(pairs, 0, 32, seed=0)
     opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
     opt_state = opt.init(params)
-    cached = train.make_step(train.dpo_objective(graphdef), opt)
+    objective = train.dpo_objective(graphdef)
+    cached = train.make_step(objective, opt)
     recompute = train.make_step(train.dpo_objective(graphdef, cached_reference=False), opt)
-    t_cached = median_seconds(lambda: cached(params, opt_state, batch), repeats=repeats)
-    t_recompute = median_seconds(lambda: recompute(params, opt_state, batch, params), repeats=repeats)
-    return _figure("dpo_cached_ref_speedup", t_recompute / t_cached, cached_seconds=t_cached,
-                   recompute_seconds=t_recompute, pairs_per_step=32, repeats=repeats)
+    # the profile: what the recomputing step adds (one reference forward pass), and what
+    # both steps share (the policy's forward and backward passes, the optimizer update)
+    reference_forward = jax.jit(lambda p, b: train.pair_log_probs(graphdef, p, b))
+    policy_grad = jax.jit(jax.grad(lambda p, b: objective(p, b, None)[0]))
+    t = interleaved_medians({"cached": lambda: cached(params, opt_state, batch),
+                             "recompute": lambda: recompute(params, opt_state, batch, params),
+                             "reference_forward": lambda: reference_forward(params, batch),
+                             "policy_forward_backward": lambda: policy_grad(params, batch)}, repeats=repeats)
+    xla_cost = {"cached_step": cost(cached, params, opt_state, batch),
+                "recompute_step": cost(recompute, params, opt_state, batch, params),
+                "reference_forward": cost(reference_forward, params, batch),
+                "policy_forward_backward": cost(policy_grad, params, batch)}
+    flops = {k: v["flops"] for k, v in xla_cost.items()}
+    return _figure(
+        "dpo_cached_ref_speedup", t["recompute"] / t["cached"], cached_seconds=t["cached"],
+        recompute_seconds=t["recompute"], pairs_per_step=32, repeats=repeats,
+        profile={f"{k}_seconds": v for k, v in t.items()}, xla_cost=xla_cost,
+        # the ceiling in arithmetic: 4/3 when backward = 2 forwards and the update is free
+        flops_ratio=flops["recompute_step"] / flops["cached_step"],
+        # the ceiling in time on this machine: the cached step plus one reference forward
+        predicted_from_profile=(t["cached"] + t["reference_forward"]) / t["cached"],
+        backward_over_forward_seconds=(t["policy_forward_backward"] - t["reference_forward"]) / t["reference_forward"],
+        backward_over_forward_flops=(flops["policy_forward_backward"] - flops["reference_forward"])
+        / flops["reference_forward"])
 
 
 # --------------------------------------------------------------------------- compile
@@ -392,7 +458,8 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
     results.setdefault("figures", {})
     results["machine"] = machine()
     results["settings"] = {"quick": quick, "repeats": repeats,
-                           "method": "ratios of medians over repeats after 2 warm-up calls, timed side by side"}
+                           "method": "ratios of medians over repeats after 2 warm-up calls; the contenders of "
+                           "each ratio are timed in turns (A, B, A, B, ...), fast calls several per sample"}
     bar = tqdm(groups, desc="bench", disable=not progress)
     for group in bar:
         bar.set_postfix(figure=group)
@@ -419,6 +486,9 @@ def main(argv=None) -> int:
     for name, fig in sorted(results["figures"].items()):
         target = "" if fig["target"] is None else f" (target {'<=' if fig['target_kind'] == 'max' else '>='} {fig['target']})"
         print(f"{name}: {fig['value']:.3f}{target}")
+    out = Path(args.out)
+    print(f"Wrote {out / 'bench.json'} and the plots {', '.join(sorted(p.name for p in out.glob('*.png')))} "
+          f"in {out}")
     return 0
 
 
