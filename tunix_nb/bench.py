@@ -52,10 +52,13 @@ def median_seconds(fn, *, repeats: int, warmup: int = 2) -> float:
 
 
 def interleaved_medians(fns: dict, *, repeats: int, warmup: int = 2, min_seconds: float = 0.01) -> dict:
-    """{name: median seconds per call} of each fn(), timed in turns: A, B, C, A, B, C, ...
+    """{name: median seconds per call} of each fn(), timed in turns: A B C, B C A, C A B, ...
 
     For ratios on a shared machine: a burst of load from elsewhere then slows every
-    contender alike, instead of falling on whichever one happened to be timed then.
+    contender alike, instead of falling on whichever one happened to be timed then. The
+    order rotates because a call can slow the one after it (a Python loop of 64 small
+    dispatches made the next program ~20% slower here), so no contender always follows
+    the same one.
     A fast fn is called several times per sample (enough for `min_seconds`), so that
     timer resolution and per-sample jitter do not dominate a millisecond call.
     """
@@ -70,8 +73,10 @@ def interleaved_medians(fns: dict, *, repeats: int, warmup: int = 2, min_seconds
             one = time.perf_counter() - t0
         calls[name] = max(1, math.ceil(min_seconds / max(one, 1e-9)))
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             t0 = time.perf_counter()
             for _ in range(calls[name]):
                 out = fn()
@@ -140,10 +145,14 @@ def bench_vmap(batch_sizes, repeats, seq_len=24, vocab=259):
         y = jax.random.randint(k3, (b, seq_len), 0, vocab)
         m = (jnp.arange(seq_len) < 6).astype(jnp.float32)[None].repeat(b, 0)
         loop = lambda: [one(s[i], t[i], y[i], m[i]) for i in range(b)]
-        times = interleaved_medians({"loop": loop, "vmap": lambda: vmapped(s, t, y, m),
-                                     "batched": lambda: batched(s, t, y, m)}, repeats=repeats)
-        curve[b] = {**{f"{k}_seconds": v for k, v in times.items()},
-                    "loop_over_vmap": times["loop"] / times["vmap"], "vmap_over_batched": times["vmap"] / times["batched"]}
+        # two pairs, each timed in turns: the loop's many small calls disturb what follows them
+        pair = interleaved_medians({"vmap": lambda: vmapped(s, t, y, m), "batched": lambda: batched(s, t, y, m)},
+                                   repeats=repeats)
+        against_loop = interleaved_medians({"loop": loop, "vmap": lambda: vmapped(s, t, y, m)}, repeats=repeats)
+        curve[b] = {"loop_seconds": against_loop["loop"], "vmap_seconds": pair["vmap"],
+                    "batched_seconds": pair["batched"],
+                    "loop_over_vmap": against_loop["loop"] / against_loop["vmap"],
+                    "vmap_over_batched": pair["vmap"] / pair["batched"]}
     at = 64 if 64 in curve else max(curve)
     shape = {"batch_size": at, "seq_len": seq_len, "vocab": vocab, "repeats": repeats}
     # what XLA compiled for each: equal costs mean the two programs do the same work
