@@ -1,5 +1,6 @@
 """Every lesson follows the notebook anatomy of DESIGN.md and is stored executed and clean."""
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -8,7 +9,8 @@ import pytest
 
 from tunix_nb import colab
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 MACHINE_PATH = re.compile(r"(/root/|/tmp/|/work/|/home/|/usr/local/lib/|site-packages)")
 
 
@@ -64,3 +66,36 @@ def test_nbval_markers_are_first_lines(notebook):
                 assert src.startswith(f"# {marker}"), src[:80]
         if "NBVAL_IGNORE_OUTPUT" in src or "NBVAL_SKIP" in src:  # a reason is given
             assert len(src.splitlines()[0]) > len("# NBVAL_IGNORE_OUTPUT") + 3
+
+
+SOLUTION_REF = re.compile(r"tunix_nb\.solutions\.(lesson\d\d)\.(\w+)")
+
+
+def defined_functions(module: str) -> set:
+    """Top-level function names of tunix_nb/solutions/<module>.py, read without importing it."""
+    path = REPO / "tunix_nb" / "solutions" / f"{module}.py"
+    if not path.exists():
+        return set()
+    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+
+def test_every_solution_names_the_function_that_checks_it(notebook, request):
+    """Each exercise's written solution names a tunix_nb.solutions.lessonNN function (which
+    tests/test_solutions.py checks), and every function named exists."""
+    path, nb = notebook
+    if path.name.startswith("06_"):
+        request.applymarker(pytest.mark.xfail(reason="notebook 06 references added by the multi-process work"))
+    markdown = "\n".join(source(c) for c in nb["cells"] if c["cell_type"] == "markdown")
+    exercises = markdown[markdown.find("## Exercises"):markdown.find("## References")]
+    n_exercises = len(re.findall(r"^\d+\. ★", exercises, flags=re.M))
+    start = exercises.find("<details><summary>Solutions</summary>")
+    block = exercises[start:exercises.find("</details>", start)]
+    items = re.split(r"^(?=\d+\. )", block, flags=re.M)[1:]  # one per numbered solution
+    assert len(items) == n_exercises, f"{path.name}: {n_exercises} exercises but {len(items)} solutions"
+    lesson = f"lesson{path.name[:2]}"
+    for k, item in enumerate(items, start=1):
+        refs = SOLUTION_REF.findall(item)
+        assert refs, f"{path.name} solution {k} names no tunix_nb.solutions.{lesson} function"
+        for module, name in refs:
+            assert module == lesson, f"{path.name} solution {k} names {module}.{name}, not a {lesson} function"
+            assert name in defined_functions(module), f"{path.name} solution {k}: no function {module}.{name}"

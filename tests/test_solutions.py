@@ -1,0 +1,239 @@
+"""Every exercise's written solution, checked through `tunix_nb.solutions`.
+
+One test (or more) per exercise, named lessonNN_exK_..., asserting the claim the
+notebook's Solutions block makes. The functions run small versions of the lessons'
+experiments (the tiny model, a few steps; XLA compiling each program is most of the
+time, under a minute on 2 CPU cores); the kill-and-resume and damaged-checkpoint drills
+at full length live in test_cli.py and test_checkpoint.py.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_nb import losses
+from tunix_nb.solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07
+
+N = 8  # conftest.py simulates 8 CPU devices
+
+
+# ------------------------------------------------------------------ 00 devices and setup
+
+
+def test_lesson00_ex1_psum_on_two_devices_gives_one_everywhere():
+    np.testing.assert_array_equal(lesson00.psum_on_two_devices(), [1.0, 1.0])
+
+
+def test_lesson00_ex2_pmean_and_all_gather_shapes():
+    out = lesson00.pmean_and_all_gather()
+    assert out["pmean"].shape == (N,) and out["all_gather"].shape == (N, N)
+    np.testing.assert_allclose(out["pmean"], (N - 1) / 2)
+    np.testing.assert_array_equal(out["all_gather"], np.tile(np.arange(N), (N, 1)))
+
+
+def test_lesson00_ex3_right_padding_leaves_real_logits_alone():
+    assert lesson00.right_padding_logit_change(n_pad=3, preset="tiny") < 1e-5
+
+
+# ------------------------------------------------------------------ 01 vmap and KL distillation
+
+
+def test_lesson01_ex1_per_example_alphas():
+    per_alpha, loss_B = lesson01.per_example_alpha_loss()
+    np.testing.assert_allclose(per_alpha, loss_B, rtol=1e-6)
+    s, t, y, m = lesson01.example_batch()
+    alpha_B = jnp.linspace(0.0, 1.0, s.shape[0])
+    mixed, _ = lesson01.per_example_alpha_loss(alpha_B)
+    soft_B, _ = lesson01.per_example_alpha_loss(jnp.ones_like(alpha_B))  # alpha 1: the soft term only
+    hard_B, _ = lesson01.per_example_alpha_loss(jnp.zeros_like(alpha_B))  # alpha 0: the hard term only
+    # each example got its own alpha
+    np.testing.assert_allclose(mixed, alpha_B * soft_B + (1 - alpha_B) * hard_B, rtol=1e-5)
+    assert not np.allclose(mixed, per_alpha, rtol=1e-3)
+
+
+def test_lesson01_ex2_per_example_clipping_bounds_one_example():
+    out = lesson01.clipping_bounds_one_example(outlier_scale=100.0)
+    assert out["per_example_largest_contribution"] <= out["bound"] * (1 + 1e-5)
+    assert out["global_largest_contribution"] > 4 * out["bound"]  # global clipping lets it through
+    assert out["global_cosine_with_outlier"] > 0.99  # ... and it sets the direction
+    assert out["per_example_cosine_with_outlier"] < 0.9
+
+
+def test_lesson01_ex3_reverse_kl_seeks_the_mode_it_starts_near_and_jsd_covers():
+    fits = lesson01.mode_seeking_fits(mu0=38.0, betas=(0.1, 0.99))
+    mu, sigma = fits["reverse KL"]
+    assert abs(mu - 45.0) < 1.0 and abs(sigma - 4.0) < 0.5  # the right mode
+    jsd = [fits[f"JSD, beta={b}"] for b in (0.1, 0.99)]
+    assert all(29 < m < 36 and 13 < s < 17 for m, s in jsd)  # between the modes, wide: covers both
+    assert jsd[0][0] < jsd[1][0] and jsd[0][1] > jsd[1][1]  # moving right and narrowing as beta grows
+
+
+def test_lesson01_ex4_topk_soft_term_with_k_equal_v_is_the_full_soft_term():
+    s, t, y, m = lesson01.example_batch()
+    V = s.shape[-1]
+    topk = jax.jit(jax.vmap(lesson01.topk_distillation_soft_one, in_axes=(0, 0, 0, None)), static_argnums=3)
+    soft_one = lambda *a: losses.kl_distillation_per_example(*a, temperature=2.0, alpha=1.0)  # noqa: E731
+    full_B = jax.jit(jax.vmap(soft_one))(s, t, y, m)
+    np.testing.assert_allclose(topk(s, t, m, V), full_B, rtol=1e-5)
+    small_B = topk(s, t, m, 10)
+    assert (small_B >= 0).all() and not np.allclose(small_B, full_B, rtol=1e-2)
+
+
+# ------------------------------------------------------------------ 02 distilling a student
+
+
+def test_lesson02_ex1_alpha0_is_sft_only_for_equal_lengths_and_alpha1_learns():
+    out = lesson02.alpha_endpoints(steps=30)
+    assert abs(out["alpha0_uneven"] - out["sft_uneven"]) > 1e-3
+    np.testing.assert_allclose(out["alpha0_equal"], out["sft_equal"], rtol=1e-6)
+    assert out["alpha1_eval_after"] < out["alpha1_eval_before"] - 1.0
+
+
+def test_lesson02_ex2_temperature_flattens_and_t2_keeps_the_gradient_scale():
+    out = lesson02.temperature_sweep((1.0, 2.0, 4.0))
+    target = [out[T]["teacher_target_prob"] for T in (1.0, 2.0, 4.0)]
+    entropy = [out[T]["teacher_entropy"] for T in (1.0, 2.0, 4.0)]
+    assert target[0] > target[1] > target[2] and target[2] < 0.3  # high T washes out the right answer
+    assert entropy[0] < entropy[1] < entropy[2]  # ... and passes on more about the others
+    with_t2 = [out[T]["grad_norm"] for T in (1.0, 2.0, 4.0)]
+    without = [out[T]["grad_norm_without_T2"] for T in (1.0, 2.0, 4.0)]
+    assert max(with_t2) / min(with_t2) < 3  # comparable
+    assert without[2] < without[0] / 10  # without T², the gradient all but vanishes
+
+
+def test_lesson02_ex3_reverse_kl_student_is_not_the_better_one_here():
+    out = lesson02.reverse_vs_forward_kl_students(steps=30)
+    assert out["reverse"]["eval_loss"] > out["forward"]["eval_loss"]
+    assert out["reverse"]["entropy"] > out["forward"]["entropy"]  # less peaked, not committed
+
+
+# ------------------------------------------------------------------ 03 data-parallel SFT
+
+
+def test_lesson03_ex1_equal_token_counts_do_not_drift():
+    out = lesson03.equal_token_counts_drift(steps=3)
+    assert len(set(out["tokens_equal"])) == 1 and len(set(out["tokens_uneven"])) > 1
+    assert out["equal"] <= 1e-5
+    assert out["uneven"] > 1e-3
+
+
+def test_lesson03_ex2_the_token_metric_needs_a_psum():
+    out = lesson03.global_token_count_metric()
+    assert out["psum"] == out["global"]
+    np.testing.assert_allclose(out["pmean"], out["global"] / N)
+
+
+def test_lesson03_ex3_bfloat16_tracks_float32_with_float32_params():
+    out = lesson03.bfloat16_against_float32(steps=10)
+    assert out["param_dtypes"] == {"float32"}
+    assert out["max_rel_loss_diff"] < 1e-2
+    assert out["loss_bfloat16"] != out["loss_float32"]  # it did compute in bfloat16
+
+
+# ------------------------------------------------------------------ 04 DPO
+
+
+def test_lesson04_ex1_hinge_stops_ipo_holds_its_target_and_chosen_fall_less():
+    out = lesson04.hinge_and_ipo_against_sigmoid(steps=10)
+    w = out["weights"]
+    assert w["hinge@0.5"] > 0 and w["hinge@0.99"] > 0 and w["hinge@1.01"] == 0 and w["hinge@2.0"] == 0
+    assert w["ipo@below"] > 0 and w["ipo@target"] == 0 and w["ipo@above"] < 0
+    sigmoid, ipo = out["runs"]["sigmoid"], out["runs"]["ipo"]
+    assert sigmoid["chosen_logp_after"] < sigmoid["chosen_logp_before"]
+    assert ipo["chosen_logp_after"] > sigmoid["chosen_logp_after"]  # IPO's chosen log-probs fall less
+    assert all(r["reward_accuracy"] > 0.6 for r in out["runs"].values())
+
+
+def test_lesson04_ex2_label_smoothing():
+    eps, beta = 0.2, 0.1
+    out = lesson04.label_smoothing_effects(eps=eps, beta=beta)
+    np.testing.assert_allclose(out["loss_at_0"], math.log(2), rtol=1e-6)
+    np.testing.assert_allclose(out["weight_at_0"], beta * (1 - 2 * eps) / 2, rtol=1e-5)
+    np.testing.assert_allclose(out["weight_at_large_h"], -eps * beta, rtol=1e-4)
+    assert abs(out["weight_at_large_h_eps0"]) < 1e-6
+
+
+def test_lesson04_ex3_larger_beta_chosen_logps_fall_less():
+    out = lesson04.larger_beta_chosen_logps(steps=10, betas=(0.1, 0.5))
+    assert out[0.1]["chosen_logp_after"] < out[0.1]["chosen_logp_before"]
+    assert out[0.5]["chosen_logp_after"] > out[0.1]["chosen_logp_after"]
+
+
+# ------------------------------------------------------------------ 05 Orbax checkpointing
+
+
+def test_lesson05_ex1_killed_during_the_first_save_restarts_from_zero(tmp_path):
+    out = lesson05.killed_during_first_save(tmp_path, steps=40, save_every=20)
+    assert out["in_flight"] and out["committed_at_kill"] == []
+    assert not out["resumed"] and out["left_over"] == []
+    assert out["killed_steps"] >= 20 and out["same_losses"]  # the restart is the killed run, from step 1
+    # bit-identical parameters after kills and resumes:
+    # test_cli.py::test_killed_between_saves_and_during_a_save_resumes_bitwise
+
+
+def test_lesson05_ex2_a_flipped_byte_reads_back_and_only_the_checksum_notices(tmp_path):
+    out = lesson05.flipped_byte_caught_by_checksum(tmp_path)
+    assert out["orbax_read_ok"] and out["orbax_values_changed"]
+    assert len(out["warnings"]) == 1 and "params read back with checksum" in out["warnings"][0]
+    assert "falling back to step 2" in out["warnings"][0] and out["restored_step"] == 2
+
+
+def test_lesson05_ex3_async_saves_block_less(tmp_path):
+    out = lesson05.sync_against_async_saves(tmp_path, steps=20, save_every=5)
+    assert out["saves"] == 4
+    assert out["async_blocked_per_save"] < out["sync_blocked_per_save"]
+
+
+# ------------------------------------------------------------------ 06 beyond pmap
+
+
+def test_lesson06_ex1_check_vma_true_drops_only_the_gradient_psum():
+    out = lesson06.check_vma_step(steps=3)
+    assert out["vma_step_vs_jit"] <= 1e-5
+    np.testing.assert_allclose(out["grad_ratio"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(out["grad_ratio_with_psum"], out["devices"], rtol=1e-5)
+
+
+def test_lesson06_ex2_empty_rows_pad_a_batch_without_changing_sft():
+    out = lesson06.padded_batch_keeps_the_sft_loss(rows=12)
+    assert "does not divide by the 8 devices" in out["refused"] and out["padded_rows"] == 16
+    np.testing.assert_allclose(out["loss_padded"], out["loss_jit"], rtol=1e-6)
+    np.testing.assert_allclose(out["grad_norm_padded"], out["grad_norm_jit"], rtol=1e-5)
+    assert abs(out["dpo_loss_padded"] - out["dpo_loss"]) > 1e-3  # per-example losses count the rows
+
+
+def test_lesson06_ex3_a_minimum_size_keeps_norm_scales_whole_for_a_few_kilobytes():
+    out = lesson06.fsdp_min_size_bytes(min_size=1024, preset="student")
+    assert out["kept_whole"] and all(len(shape) == 1 for shape in out["kept_whole"])
+    assert 0 < out["difference"] < 10_000
+
+
+def test_lesson06_ex4_dp_all_reduces_once_fsdp_gathers_every_weight():
+    out = lesson06.dp_against_fsdp(preset="tiny", repeats=3)
+    assert out["dp"]["collectives"] == {"all-reduce": 1}
+    assert out["fsdp"]["collectives"].get("all-gather", 0) >= out["param_arrays"]
+    assert out["fsdp"]["seconds"] > 0 and out["dp"]["seconds"] > 0
+
+
+# ------------------------------------------------------------------ 07 benchmarks
+
+
+def test_lesson07_ex1_the_loop_costs_more_even_at_b1():
+    ratios = lesson07.loop_against_vmap(batch_sizes=(1,), repeats=5)
+    assert ratios[1] > 1.0  # even one example: the loop slices and dispatches more
+    committed = lesson07.committed_loop_over_vmap()
+    assert all(r > 1.0 for r in committed.values()) and committed[max(committed)] > committed[min(committed)]
+
+
+def test_lesson07_ex2_a_wider_model_reaches_a_higher_mfu():
+    out = lesson07.mfu_by_width(widths=(32, 128), part="forward", n_layers=1, batch=2, seq_len=32, repeats=5)
+    assert out[128]["mfu"] > out[32]["mfu"]
+    assert out[128]["model_flops"] / out[32]["model_flops"] > 8  # matmul FLOPs grow like d²
+
+
+def test_lesson07_ex3_the_allreduce_share_falls_with_the_global_batch():
+    # the committed figures (a live rerun, global_batches=(64, 256), compiles a pmap step per size)
+    committed = lesson07.allreduce_share_by_global_batch(global_batches=())["committed"]
+    assert len(committed) >= 2 and committed[max(committed)] < committed[min(committed)]
