@@ -185,7 +185,6 @@ def bench_mfu(repeats, quick=False):
     n = 512 if quick else 2048
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
-    peak = 2 * n**3 / median_seconds(lambda: matmul(a), repeats=repeats)
     batch, seq_len = (4, 64) if quick else (8, 128)
     cfg = model.get_config("student", d_model=256, n_layers=4, n_heads=4, d_ff=768)
     graphdef, params = model.split(model.make_model(cfg, seed=0))
@@ -194,32 +193,32 @@ def bench_mfu(repeats, quick=False):
     b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
          "attention_mask": np.ones((batch, seq_len), np.int32)}
     opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
-    step = train.make_step(train.sft_objective(graphdef), opt)
-    opt_state = opt.init(params)
-    seconds = median_seconds(lambda: step(params, opt_state, b), repeats=repeats)
-    xla_flops = step.lower(params, opt_state, b).compile().cost_analysis().get("flops")
-    flops = model_flops_per_step(cfg, batch, seq_len)
-    if quick:
-        return _figure("train_step_mfu", flops / seconds / peak, step_seconds=seconds, model_flops_per_step=flops,
-                       xla_flops_per_step=xla_flops, achieved_flops_per_second=flops / seconds,
-                       matmul_peak_flops_per_second=peak, peak_matmul_size=n, repeats=repeats, model={})
-    # A coarse profile: where the step's time goes (forward, backward, optimizer update).
     objective = train.sft_objective(graphdef)
-    forward = jax.jit(lambda p: objective(p, b)[0])
-    grad = jax.jit(jax.grad(lambda p: objective(p, b)[0]))
-    grads = grad(params)
-    update = jax.jit(lambda g, s, p: opt.update(g, s, p))
-    profile = {"forward_seconds": median_seconds(lambda: forward(params), repeats=repeats),
-               "forward_backward_seconds": median_seconds(lambda: grad(params), repeats=repeats),
-               "optimizer_update_seconds": median_seconds(lambda: update(grads, opt_state, params), repeats=repeats)}
-    profile["matmul_flops_share_of_forward_time_at_peak"] = flops / 3 / peak / profile["forward_seconds"]
-    return _figure("train_step_mfu", flops / seconds / peak, step_seconds=seconds, model_flops_per_step=flops,
-                   profile=profile,
-                   xla_flops_per_step=xla_flops, achieved_flops_per_second=flops / seconds,
-                   matmul_peak_flops_per_second=peak, peak_matmul_size=n, repeats=repeats,
+    step = train.make_step(objective, opt)
+    opt_state = opt.init(params)
+    contenders = {"peak_matmul": lambda: matmul(a), "step": lambda: step(params, opt_state, b)}
+    if not quick:  # a coarse profile: where the step's time goes (forward, backward, optimizer update)
+        forward = jax.jit(lambda p: objective(p, b)[0])
+        grad = jax.jit(jax.grad(lambda p: objective(p, b)[0]))
+        grads = grad(params)
+        update = jax.jit(lambda g, s, p: opt.update(g, s, p))
+        contenders.update(forward=lambda: forward(params), forward_backward=lambda: grad(params),
+                          optimizer_update=lambda: update(grads, opt_state, params))
+    t = interleaved_medians(contenders, repeats=repeats)  # the peak and the step side by side
+    peak, seconds = 2 * n**3 / t["peak_matmul"], t["step"]
+    flops = model_flops_per_step(cfg, batch, seq_len)
+    details = dict(step_seconds=seconds, model_flops_per_step=flops,
+                   xla_flops_per_step=cost(step, params, opt_state, b)["flops"],
+                   achieved_flops_per_second=flops / seconds, matmul_peak_flops_per_second=peak,
+                   peak_matmul_size=n, repeats=repeats,
                    model={"d_model": cfg.d_model, "n_layers": cfg.n_layers, "d_ff": cfg.d_ff,
                           "params": model.count_params(params), "batch": batch, "seq_len": seq_len,
                           "dtype": "float32"})
+    if not quick:
+        profile = {f"{k}_seconds": v for k, v in t.items() if k not in ("peak_matmul", "step")}
+        profile["matmul_flops_share_of_forward_time_at_peak"] = flops / 3 / peak / profile["forward_seconds"]
+        details["profile"] = profile
+    return _figure("train_step_mfu", flops / seconds / peak, **details)
 
 
 # -------------------------------------------------------------------------------- dp
