@@ -193,6 +193,13 @@ def test_cli_refuses_incomplete_multi_process_flags(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_launcher_help_names_the_form(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--devices-per-process" in capsys.readouterr().out
+
+
 def test_gloo_chatter_is_noise_and_real_output_is_not():
     assert launch.is_noise("[Gloo] Rank 5 is connected to 7[Gloo] Rank 6 is connected to 7 peer ranks. "
                            "Expected number of connected peer ranks is : 7")

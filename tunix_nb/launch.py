@@ -192,10 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        build_parser().error("put the training command after --, e.g. -- sft --parallel dp --steps 20")
-    split = argv.index("--")
     parser = build_parser()
+    if "--" not in argv:
+        if "-h" in argv or "--help" in argv:
+            parser.parse_args(["--help"])  # prints the help and exits
+        parser.error("put the training command after --, e.g. -- sft --parallel dp --steps 20")
+    split = argv.index("--")
     args = parser.parse_args(argv[:split])
     try:
         return launch(argv[split + 1:], processes=args.processes, devices_per_process=args.devices_per_process,
