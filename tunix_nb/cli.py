@@ -42,7 +42,7 @@ import time
 import warnings
 from pathlib import Path
 
-from tunix_nb import devices
+from tunix_nb import devices, distributed  # neither starts JAX on import
 
 # train.PARALLEL_MODES, spelled out: the parser is built before JAX may start.
 PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--distributed", action="store_true",
                        help="join a multi-process run whose coordinator, process count and index JAX "
                             "detects (Cloud TPU pod slice, SLURM, Open MPI, Kubernetes)")
-    group.add_argument("--heartbeat-timeout", type=_positive_int, default=100,
+    group.add_argument("--heartbeat-timeout", type=_positive_int, default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
                        help="seconds after which a silent process counts as dead and the others stop")
     parser.add_argument("--metrics-file", help="write one JSON line per step (step, loss, ...)")
     parser.add_argument("--export-params", help="at the end, also write a params-only checkpoint here")
@@ -226,8 +226,6 @@ def main(argv=None) -> int:
     if args.devices:
         devices.simulate_cpu_devices(args.devices)  # before anything starts JAX
     if args.distributed:  # also before JAX starts: jax.devices() then lists every process's devices
-        from tunix_nb import distributed
-
         distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                heartbeat_timeout_s=args.heartbeat_timeout)
 
@@ -236,7 +234,7 @@ def main(argv=None) -> int:
     from tunix_nb import checkpoint, data, model, parallel, train
     from tunix_nb.tokenizer import ByteTokenizer
 
-    main_process = jax.process_index() == 0
+    main_process = distributed.is_main_process()
 
     def say(message):  # what every process would print alike: once, from process 0
         if main_process:

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Callable
 
+from tunix_nb.cli import MESH_CHOICES  # the strategies whose mesh spans processes
+
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # on loopback a silent process is a dead one; clusters use JAX's 100 s
 # gloo prints a line per connection from several threads at once, word by word, so its
 # pieces interleave: drop any line made only of these pieces and numbers
@@ -55,7 +57,7 @@ def _check_train_args(train_args) -> None:
             raise ValueError(f"Leave {flag} out of the training arguments: the launcher sets it for each process.")
     parallel = [train_args[i + 1] for i, a in enumerate(train_args[:-1]) if a == "--parallel"]
     parallel += [a.split("=", 1)[1] for a in train_args if a.startswith("--parallel=")]
-    if not parallel or parallel[-1] not in ("dp", "fsdp", "shard_map"):
+    if not parallel or parallel[-1] not in MESH_CHOICES:
         raise ValueError("Give the training arguments --parallel dp, fsdp or shard_map: the strategies "
                          "whose mesh spans several processes.")
 
