@@ -5,8 +5,13 @@ processes, and they inherit the environment set here.
 """
 
 import os
+import sys
+from pathlib import Path
 
 from tunix_nb import devices
+
+# The exercises' solutions live beside the lessons, in notebooks/solutions/.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "notebooks"))
 
 N_TEST_DEVICES = 8
 

@@ -1,17 +1,19 @@
 """tunix_nb.checkpoint: exact round trips, retention, damaged checkpoints, other device counts."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, model, parallel, train
+from tunix_nb import checkpoint, model, parallel, sft, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,7 +198,7 @@ ELASTIC = textwrap.dedent("""
     n, mode, ckpt, start, steps, dump_in, dump_out = json.loads(sys.argv[1])
     devices.simulate_cpu_devices(n)
     import jax, numpy as np
-    from tunix_nb import checkpoint, data, model, parallel, train
+    from tunix_nb import checkpoint, data, model, parallel, sft, train
     from tunix_nb.tokenizer import ByteTokenizer
 
     graphdef, params = model.split(model.make_model("tiny", seed=0))
@@ -218,7 +220,7 @@ ELASTIC = textwrap.dedent("""
                 assert x.dtype == want.dtype and np.array_equal(np.asarray(x), want), (i, k)
         params, opt_state, _ = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state)
     rows = data.sft_arrays(data.load_sft(), ByteTokenizer(), data.DEFAULT_SEQ_LEN)
-    step_fn = train.make_step(train.sft_objective(graphdef), opt, parallel_mode=mode)
+    step_fn = train.make_step(sft.objective(graphdef), opt, parallel_mode=mode)
     params, opt_state, hist = train.run(step_fn, params, opt_state,
                                         lambda s: data.batch_at(rows, s, 16, seed=0),
                                         steps=steps, start_step=start, parallel_mode=mode, progress=False)
@@ -250,3 +252,142 @@ def test_restore_onto_8_then_4_then_1_devices_is_exact(tmp_path):
     assert checkpoint.load_meta(ckpt)["devices"] == 1
     # the params are the first leaves of (params, opt_state), in the same order
     assert all(np.array_equal(x, final[f"leaf{k}"]) for k, x in enumerate(loaded))
+
+
+# ------------------------------------------- no lasting side effects on logging and hooks
+
+IMPORT_SIDE_EFFECTS = textwrap.dedent("""
+    import logging, sys, warnings
+    import jax, orbax.checkpoint, flax.nnx  # what the dependencies change on import is theirs
+    from tunix_nb import model, parallel
+
+    def settings():
+        loggers = {name: (lg.level, list(lg.filters), list(lg.handlers))
+                   for name, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+        loggers["(root)"] = (logging.root.level, list(logging.root.filters), list(logging.root.handlers))
+        return loggers, sys.unraisablehook, list(warnings.filters)
+
+    (loggers, hook, filters) = settings()
+    import tunix_nb.checkpoint
+    (loggers_after, hook_after, filters_after) = settings()
+    changed = sorted(name for name, s in loggers.items() if loggers_after[name] != s)
+    new_set = sorted(name for name, s in loggers_after.items() if name not in loggers and s != (0, [], []))
+    assert not changed and not new_set, (changed, new_set)
+    assert hook_after is hook and filters_after == filters
+    print("unchanged")
+""")
+
+
+def test_importing_checkpoint_changes_no_logging_setting_or_hook():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", IMPORT_SIDE_EFFECTS], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=240)
+    assert out.returncode == 0 and "unchanged" in out.stdout, out.stderr[-3000:]
+
+
+def logging_and_hooks():
+    asyncio_logger, absl_logger = logging.getLogger("asyncio"), logging.getLogger("absl")
+    return (sys.unraisablehook, list(asyncio_logger.filters), asyncio_logger.level, absl_logger.level,
+            list(warnings.filters))
+
+
+def test_a_failed_read_leaves_no_hook_or_filter_behind(tmp_path, state):
+    params, opt_state = state
+    run = tmp_path / "run"
+    saved_run(run, state)
+    _truncate_params_data(run / "4")
+    with pytest.warns(checkpoint.DamagedCheckpointWarning):
+        before = logging_and_hooks()
+        checkpoint.restore(checkpoint.make_manager(run), params_like=params, opt_state_like=opt_state)
+        assert logging_and_hooks() == before
+        with pytest.raises(checkpoint.DamagedCheckpointError):
+            checkpoint.load_params(run, step=4)
+        assert logging_and_hooks() == before
+
+
+# ------------------------------------------- the one fallback over damaged checkpoints
+
+
+def test_newest_readable_falls_back_and_names_each_damaged_step(tmp_path, state):
+    run = tmp_path / "run"
+    saved_run(run, state, steps=(2, 4, 6))
+    tried = []
+
+    def read(manager, step):
+        tried.append(step)
+        if step > 2:
+            raise ValueError(f"unreadable {run}/{step}")  # the machine's path is left out of the warning
+        return step
+
+    with pytest.warns(checkpoint.DamagedCheckpointWarning) as record:
+        assert checkpoint.newest_readable(run, read) == 2
+    assert tried == [6, 4, 2]
+    assert [str(w.message)[:40] for w in record] == ["Checkpoint at step 6 in run could not be",
+                                                     "Checkpoint at step 4 in run could not be"]
+    assert "falling back to step 4" in str(record[0].message) and str(tmp_path) not in str(record[0].message)
+    assert all(w.filename == __file__ for w in record)  # the warning names the caller's line
+    with pytest.raises(checkpoint.DamagedCheckpointError, match="Checkpoint at step 4 in run is damaged"):
+        checkpoint.newest_readable(checkpoint.make_manager(run), read, step=4)
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint for step 5 .* have \[2, 4, 6\]"):
+        checkpoint.newest_readable(run, read, step=5)
+    with pytest.raises(FileNotFoundError, match="No checkpoints in .*empty; save one there first"):
+        checkpoint.newest_readable(checkpoint.make_manager(tmp_path / "empty"), read)
+
+
+def test_newest_readable_meta_is_quiet_and_none_when_nothing_reads(tmp_path, state, recwarn):
+    run = tmp_path / "run"
+    manager = saved_run(run, state)
+    assert checkpoint.newest_readable_meta(checkpoint.make_manager(tmp_path / "empty")) is None
+    _garble_meta(run / "4")
+    assert checkpoint.newest_readable_meta(manager)["step"] == 2
+    _garble_meta(run / "2")
+    assert checkpoint.newest_readable_meta(manager) is None
+    assert not recwarn.list
+
+
+# ------------------------------------------- a model from a checkpoint
+
+
+@pytest.mark.parametrize("name, preset", [("teacher", "teacher"), ("sft_student", "student")])
+def test_load_model_builds_the_shipped_checkpoints(name, preset):
+    from tunix_nb import data
+
+    ckpt = data.DATA_DIR / name
+    graphdef, params, meta = checkpoint.load_model(ckpt)
+    assert meta == checkpoint.load_meta(ckpt) and meta["model"] == preset
+    # the same as building the preset, splitting it and filling it in by hand
+    graphdef_by_hand, like = model.split(model.make_model(preset))
+    by_hand = checkpoint.params_into(like, checkpoint.load_params(ckpt))
+    assert leaves_equal(params, by_hand)
+    tokens = np.arange(2 * 8, dtype=np.int32).reshape(2, 8) % 97
+    np.testing.assert_array_equal(model.apply(graphdef, params, tokens),
+                                  model.apply(graphdef_by_hand, by_hand, tokens))
+
+
+def test_load_model_reads_the_run_config_and_names_a_missing_or_unknown_preset(tmp_path):
+    _, params = model.split(model.make_model("tiny", seed=3))
+    checkpoint.export_params(params, tmp_path / "in_config", step=1, meta={"config": {"model": "tiny"}})
+    graphdef, got, meta = checkpoint.load_model(tmp_path / "in_config")
+    assert meta["step"] == 1 and leaves_equal(got, params)
+    checkpoint.export_params(params, tmp_path / "none", step=1, meta={})
+    with pytest.raises(ValueError, match="names no model preset.*params_into"):
+        checkpoint.load_model(tmp_path / "none")
+    checkpoint.export_params(params, tmp_path / "unknown", step=1, meta={"model": "giant"})
+    with pytest.raises(ValueError, match=r"names the model 'giant', which is not a preset; the presets are \["):
+        checkpoint.load_model(tmp_path / "unknown")
+    checkpoint.export_params(params, tmp_path / "other", step=1, meta={"model": "student"})
+    with pytest.raises(ValueError, match="do not fit that preset"):
+        checkpoint.load_model(tmp_path / "other")
+
+
+# ------------------------------------------- checkpoints to ship
+
+
+def test_exported_checkpoint_holds_no_machine_path_and_loads_without_commit_files(tmp_path):
+    _, params = model.split(model.make_model("tiny", seed=0))
+    out = tmp_path / "export"
+    checkpoint.export_params(params, out, step=7, meta={"model": "tiny"})
+    assert not list(out.rglob("commit_success.txt"))
+    assert not [p for p in out.rglob("*") if p.is_file() and str(tmp_path).encode() in p.read_bytes()]
+    _, got, meta = checkpoint.load_model(out)
+    assert meta["step"] == 7 and leaves_equal(got, params)

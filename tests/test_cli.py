@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, cli as cli_module, losses
+from tunix_nb import checkpoint, compare, losses, preempt
 
 TINY = ["sft", "--model", "tiny", "--batch-size", "16"]
 # The run the preemption tests interrupt: long enough (a few ms a step) to be killed mid-run.
@@ -49,13 +49,6 @@ def reference(tmp_path_factory, env):
                          capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr
     return root / "run", root / "metrics.jsonl"
-
-
-def assert_bitwise_equal(params_a, params_b):
-    la, lb = jax.tree.leaves(params_a), jax.tree.leaves(params_b)
-    assert len(la) == len(lb) > 0
-    for a, b in zip(la, lb):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
 def test_help_documents_every_flag(cli):
@@ -136,26 +129,26 @@ def test_stopping_and_resuming_at_any_step_gives_the_same_bits(cli, tmp_path, re
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [20, 40, 50]
     second = cli(*RUN, "--save-every", "70", "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics))
     assert second.returncode == 0 and "Resuming from the checkpoint at step 50" in second.stdout
-    assert_bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
     assert metrics.read_text() == reference[1].read_text()  # the same batches, the same losses
 
 
 def test_killed_between_saves_and_during_a_save_resumes_bitwise(cli, env, tmp_path, reference):
     ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     argv = [*RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
-    first = cli_module.preempt(argv, ckpt_dir=ckpt, metrics_file=metrics, when="between_saves", after_step=30,
+    first = preempt.run_and_kill(argv, ckpt_dir=ckpt, metrics_file=metrics, when="between_saves", after_step=30,
                                env=env, timeout=120)
     assert first["killed"] and first["in_flight"] == [], first
-    second = cli_module.preempt(argv, ckpt_dir=ckpt, metrics_file=metrics, when="during_save",
+    second = preempt.run_and_kill(argv, ckpt_dir=ckpt, metrics_file=metrics, when="during_save",
                                 after_step=first["step"], env=env, timeout=120)
     assert second["killed"] and second["in_flight"], second
     assert all((ckpt / name).is_dir() for name in second["in_flight"])  # the half-written save is left
     last = cli(*argv)
     assert last.returncode == 0, last.stderr
     assert "Resuming from the checkpoint at step" in last.stdout
-    assert_bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
     assert metrics.read_text() == reference[1].read_text()
-    assert not list(ckpt.glob(f"*{cli_module.TMP_SUFFIX}*"))  # Orbax replaced it when it saved that step
+    assert not list(ckpt.glob(f"*{preempt.TMP_SUFFIX}*"))  # Orbax replaced it when it saved that step
 
 
 def test_damaged_latest_checkpoint_resumes_from_the_one_before(cli, tmp_path, reference):
@@ -175,7 +168,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(cli, tmp_path, re
     moved = [p for p in ckpt.iterdir() if p.name.startswith("60.damaged-")]
     assert len(moved) == 1  # kept as it was, file for file
     assert {p.relative_to(moved[0]): p.read_bytes() for p in moved[0].rglob("*") if p.is_file()} == damaged
-    assert_bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
     assert metrics.read_text() == reference[1].read_text()
     # every checkpoint damaged: a clear error, and nothing is moved or changed
     for step_dir in ckpt.iterdir():
@@ -231,3 +224,18 @@ def test_a_run_saved_under_fsdp_resumes_under_dp_and_matches_jit(tmp_path, cli):
     assert ref.returncode == 0, ref.stderr
     a, b = checkpoint.load_params(fsdp_dir), checkpoint.load_params(jit_dir)
     assert max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) <= 1e-5
+
+
+def test_python_m_train_executes_no_module_twice(env):
+    """`python -m tunix_nb.train` runs tunix_nb/train/__main__.py; no module of the kit is
+    executed a second time under another name (as a train.py run as __main__ would be)."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['tunix_nb.train', 'sft', '--model', 'tiny', '--steps', '2', '--batch-size', '8']\n"
+            "try:\n    runpy.run_module('tunix_nb.train', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "files = [getattr(m, '__file__', None) or '' for m in list(sys.modules.values())]\n"
+            "kit = [f for f in files if 'tunix_nb' in f]\n"
+            "print(sorted(f for f in set(kit) if kit.count(f) > 1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

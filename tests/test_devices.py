@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -10,7 +11,7 @@ from tunix_nb import devices
 
 def run_python(code: str, **env_changes) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (JAX not yet started) with a modified environment."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", devices.DEVICES_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", devices.DEVICES_ENV, devices.JAX_COUNT_ENV)}
     env.update(env_changes)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
@@ -65,13 +66,54 @@ def test_env_override_picks_single_device():
         TUNIX_NB_DEVICES="1",
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "1"]
+    assert out.stdout.splitlines()[-1].split() == ["1", "1"]
 
 
 def test_env_override_must_be_an_integer():
     out = run_python("from tunix_nb import devices; devices.setup(8)", TUNIX_NB_DEVICES="eight")
     assert out.returncode != 0
-    assert "TUNIX_NB_DEVICES='eight' is not an integer" in out.stderr
+    assert "TUNIX_NB_DEVICES='eight' is not a positive integer; set it to e.g. 1 or 8" in out.stderr
+
+
+FLAG = devices.DEVICE_COUNT_FLAG
+SETUP_AND_COUNT = "from tunix_nb import devices; n = devices.setup(8); import jax; print(n, jax.device_count())"
+
+
+@pytest.mark.parametrize("env, count, said", [
+    ({}, 8, "Simulating 8 CPU devices (the notebook's default; set TUNIX_NB_DEVICES to change it)"),
+    ({"XLA_FLAGS": f"{FLAG}=4"}, 4, "Simulating 4 CPU devices (from XLA_FLAGS)"),
+    ({"XLA_FLAGS": f"--xla_cpu_enable_fast_math=false {FLAG}=1"}, 1, "Simulating 1 CPU device (from XLA_FLAGS)"),
+    ({"JAX_NUM_CPU_DEVICES": "3"}, 3, "Simulating 3 CPU devices (from JAX_NUM_CPU_DEVICES)"),
+    ({"XLA_FLAGS": f"{FLAG}=4", "TUNIX_NB_DEVICES": "2"}, 2, "Simulating 2 CPU devices (from TUNIX_NB_DEVICES)"),
+    ({"JAX_NUM_CPU_DEVICES": "3", "TUNIX_NB_DEVICES": "1"}, 1, "Simulating 1 CPU device (from TUNIX_NB_DEVICES)"),
+], ids=["default", "user-xla-flags", "user-xla-flags-one", "jax-num-cpu-devices", "override-beats-flags",
+        "override-beats-jax-count"])
+def test_setup_keeps_a_count_the_user_gave_and_says_which(env, count, said):
+    """Priority: TUNIX_NB_DEVICES > a count already given to JAX > the notebook's default.
+    A user who starts Jupyter with XLA_FLAGS=--xla_force_host_platform_device_count=4, as
+    JAX's docs suggest, gets 4 devices, not the setup cell's 8."""
+    out = run_python(SETUP_AND_COUNT, **env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [said, f"{count} {count}"]
+
+
+def test_binder_start_still_gives_eight_devices():
+    start = Path(__file__).resolve().parent.parent / "binder" / "start"
+    out = subprocess.run([str(start), sys.executable, "-c", SETUP_AND_COUNT], capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["Simulating 8 CPU devices (from XLA_FLAGS)", "8 8"]
+
+
+def test_the_last_count_in_xla_flags_wins_as_in_xla(monkeypatch):
+    monkeypatch.delenv(devices.DEVICES_ENV, raising=False)
+    monkeypatch.delenv(devices.JAX_COUNT_ENV, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=8 --xla_foo=1 {FLAG}=5")
+    assert devices.requested_cpu_devices(2) == (5, "from XLA_FLAGS")
+    monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=many")
+    with pytest.raises(ValueError, match=rf"XLA_FLAGS {FLAG}='many' is not a positive integer"):
+        devices.requested_cpu_devices(2)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +154,8 @@ def test_backend_defaults():
                                                 ({"COLAB_GPU": "1"}, 0), ({}, 8)])
 def test_setup_uses_an_accelerator_and_simulates_only_on_cpu(monkeypatch, hint_env, expected):
     """The setup cell's logic with the backend faked: TPU and GPU runtimes are left alone."""
-    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU", devices.DEVICES_ENV):
+    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU", devices.DEVICES_ENV,
+                "XLA_FLAGS", devices.JAX_COUNT_ENV):
         monkeypatch.delenv(key, raising=False)
     for key, value in hint_env.items():
         monkeypatch.setenv(key, value)
@@ -140,3 +183,32 @@ def test_has_devices_says_what_to_do(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "The pmap equivalence check needs at least 2 devices" in out
     assert "simulate_on_accelerator=True" in out
+
+
+def fake_tpu_runtime(monkeypatch):
+    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU", devices.DEVICES_ENV,
+                devices.JAX_COUNT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
+    monkeypatch.setattr(devices.os.path, "exists", lambda p: False)
+    calls = []
+    monkeypatch.setattr(devices, "simulate_cpu_devices", lambda n: calls.append(n))
+    return calls
+
+
+def test_a_count_in_xla_flags_does_not_hide_an_accelerator(monkeypatch):
+    """The flag only sizes the CPU backend; the kit's override and the keyword still simulate."""
+    calls = fake_tpu_runtime(monkeypatch)
+    monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=4")
+    assert devices.setup(8) == 0 and calls == []
+    assert devices.setup(8, simulate_on_accelerator=True) == 4 and calls == [4]
+    monkeypatch.setenv(devices.DEVICES_ENV, "2")
+    assert devices.setup(8) == 2 and calls == [4, 2]
+
+
+def test_check_backend_warns_when_an_accelerator_is_left_unused(monkeypatch, recwarn):
+    devices.check_backend()  # the tests' CPU runtime: nothing to say
+    assert not recwarn.list
+    fake_tpu_runtime(monkeypatch)  # a TPU hint, but this JAX runs on CPU
+    with pytest.warns(UserWarning, match=r"has a TPU, but JAX is running on CPU\. On Colab: restart the runtime"):
+        devices.check_backend()

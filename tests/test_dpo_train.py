@@ -1,11 +1,13 @@
 """DPO steps: one concatenated forward pass, cached reference, pmap equivalence."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import data, losses, model, train
+from tunix_nb import compare, data, dpo, losses, model, precision, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 
@@ -13,21 +15,17 @@ from tunix_nb.tokenizer import ByteTokenizer
 def setup():
     graphdef, params = model.split(model.make_model("tiny", seed=0))
     pairs = data.preference_arrays(data.load_preferences()[:64], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
-    return graphdef, params, train.reference_log_probs(graphdef, params, pairs, batch_size=48)
+    return graphdef, params, dpo.reference_log_probs(graphdef, params, pairs, batch_size=48)
 
 
 def batch(pairs, step, size=16):
     return data.batch_at(pairs, step, size, seed=0)
 
 
-def max_param_diff(a, b):
-    return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def test_concatenated_forward_equals_two_forwards(setup):
     graphdef, params, pairs = setup
     b = batch(pairs, 0)
-    chosen, rejected = train.pair_log_probs(graphdef, params, b)
+    chosen, rejected = dpo.pair_log_probs(graphdef, params, b)
     for side, got in (("chosen", chosen), ("rejected", rejected)):
         logits = model.apply(graphdef, params, b[f"{side}_inputs"], b[f"{side}_attention_mask"])
         expected = losses.sequence_log_probs(logits, b[f"{side}_targets"], b[f"{side}_loss_mask"])
@@ -38,15 +36,15 @@ def test_cached_reference_matches_the_reference_model(setup):
     graphdef, params, pairs = setup
     assert pairs["ref_chosen_logps"].shape == (64,)  # tail of 64 rows in batches of 48 handled
     b = {k: v[40:56] for k, v in pairs.items()}
-    chosen, rejected = train.pair_log_probs(graphdef, params, b)
+    chosen, rejected = dpo.pair_log_probs(graphdef, params, b)
     np.testing.assert_allclose(b["ref_chosen_logps"], chosen, rtol=1e-5)
     np.testing.assert_allclose(b["ref_rejected_logps"], rejected, rtol=1e-5)
 
 
-def run_dpo(setup, parallel_mode, cached=True, steps=10, loss_type="sigmoid"):
+def run_dpo(setup, parallel_mode, cached=True, steps=10, loss_type="sigmoid", compute_dtype="auto"):
     graphdef, params, pairs = setup
     opt = train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
-    objective = train.dpo_objective(graphdef, cached_reference=cached, loss_type=loss_type)
+    objective = dpo.objective(graphdef, cached_reference=cached, loss_type=loss_type, compute_dtype=compute_dtype)
     step = train.make_step(objective, opt, parallel_mode=parallel_mode)
     return train.run(step, params, opt.init(params), lambda s: batch(pairs, s), steps=steps,
                      parallel_mode=parallel_mode, frozen=None if cached else params, progress=False)
@@ -61,7 +59,7 @@ def test_first_step_loss_is_ln2_when_policy_equals_reference(setup):
 def test_cached_and_recomputed_reference_train_identically(setup):
     cached, _, hist_c = run_dpo(setup, "jit", cached=True, steps=5)
     recomputed, _, hist_r = run_dpo(setup, "jit", cached=False, steps=5)
-    assert max_param_diff(cached, recomputed) <= 1e-5
+    assert compare.max_abs_diff(cached, recomputed) <= 1e-5
     np.testing.assert_allclose([h["loss"] for h in hist_c], [h["loss"] for h in hist_r], rtol=1e-5)
 
 
@@ -69,7 +67,7 @@ def test_cached_and_recomputed_reference_train_identically(setup):
 def test_pmap_dpo_matches_single_device_after_10_steps(setup, loss_type):
     jit_params, _, jit_hist = run_dpo(setup, "jit", loss_type=loss_type)
     pmap_params, _, pmap_hist = run_dpo(setup, "pmap", loss_type=loss_type)
-    assert max_param_diff(jit_params, pmap_params) <= 1e-5
+    assert compare.max_abs_diff(jit_params, pmap_params) <= 1e-5
     for key in ("loss", "rewards/margin"):
         np.testing.assert_allclose([h[key] for h in pmap_hist], [h[key] for h in jit_hist], rtol=1e-4, atol=1e-6)
     # At step 1 policy == reference: every reward is 0 up to float rounding, and rounding
@@ -80,21 +78,117 @@ def test_pmap_dpo_matches_single_device_after_10_steps(setup, loss_type):
 
 def test_unknown_loss_type_is_refused_when_building():
     with pytest.raises(ValueError, match="Unknown loss_type 'kto'"):
-        train.dpo_objective(None, loss_type="kto")
+        dpo.objective(None, loss_type="kto")
 
 
-def test_sft_weight_adds_the_chosen_per_token_nll(setup):
+def chosen_token_nll(graphdef, params, b):
+    """Mean NLL over every chosen completion token of the batch, with numpy from the model's logits."""
+    logits = np.asarray(model.apply(graphdef, params, b["chosen_inputs"], b["chosen_attention_mask"]), np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    target_logp = np.take_along_axis(logp, b["chosen_targets"][..., None].astype(np.int64), -1)[..., 0]
+    per_token = -target_logp[b["chosen_loss_mask"] > 0]
+    lengths = b["chosen_loss_mask"].sum(-1)
+    per_answer = [-target_logp[i, b["chosen_loss_mask"][i] > 0].mean() for i in range(len(lengths))]
+    return per_token.mean(), np.mean(per_answer)
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_sft_weight_adds_the_mean_nll_of_all_chosen_tokens(setup, length_normalize):
+    """RPO as TRL's `rpo_alpha`: cross-entropy over all chosen tokens of the batch, whatever DPO sees."""
     graphdef, params, pairs = setup
+    pairs = dpo.reference_log_probs(graphdef, params, pairs, length_normalize=length_normalize, batch_size=48)
     b = batch(pairs, 1)
-    plain = train.dpo_objective(graphdef)(params, b)
-    rpo = train.dpo_objective(graphdef, sft_weight=0.5)(params, b)
-    chosen, _ = train.pair_log_probs(graphdef, params, b)
-    nll_per_token = -(chosen / b["chosen_loss_mask"].sum(-1)).mean()
-    np.testing.assert_allclose(rpo[0] / rpo[1], plain[0] / plain[1] + 0.5 * nll_per_token, rtol=1e-5)
-    np.testing.assert_allclose(rpo[2]["sft/chosen_nll"], nll_per_token, rtol=1e-5)
+    nll, mean_of_answer_means = chosen_token_nll(graphdef, params, b)
+    assert abs(nll - mean_of_answer_means) > 1e-4 * nll  # answers of different lengths tell the two apart
+    kw = dict(loss_type="ipo", beta=0.5, length_normalize=True) if length_normalize else {}
+    plain = dpo.objective(graphdef, **kw)(params, b)
+    rpo = dpo.objective(graphdef, sft_weight=0.5, **kw)(params, b)
+    np.testing.assert_allclose(rpo[0] / rpo[1] - plain[0] / plain[1], 0.5 * nll, rtol=1e-5)
+    np.testing.assert_allclose(rpo[2]["sft/chosen_nll"], nll, rtol=1e-5)
+
+
+def test_bfloat16_reference_is_cached_in_bfloat16(setup):
+    """compute_dtype reaches the cached reference: at step 0 policy == reference (loss ln 2),
+    and a step with the cached reference equals one that runs the reference in the step."""
+    graphdef, params, pairs = setup
+    pairs = dpo.reference_log_probs(graphdef, params, pairs, batch_size=48, compute_dtype=jnp.bfloat16)
+    b = batch(pairs, 0)
+    in_bf16, _ = dpo.pair_log_probs(graphdef, precision.cast_floats(params, jnp.bfloat16), b)
+    in_f32, _ = dpo.pair_log_probs(graphdef, params, b)
+    assert np.abs(in_bf16 - in_f32).max() > 1e-3  # the two precisions are told apart
+    np.testing.assert_allclose(b["ref_chosen_logps"], in_bf16, rtol=1e-6)
+    runs = {cached: run_dpo((graphdef, params, pairs), "jit", cached=cached, steps=1, compute_dtype=jnp.bfloat16)
+            for cached in (True, False)}
+    (cached, _, hist_c), (recomputed, _, hist_r) = runs[True], runs[False]
+    np.testing.assert_allclose(hist_c[0]["loss"], np.log(2), atol=1e-6)
+    np.testing.assert_allclose(hist_c[0]["loss"], hist_r[0]["loss"], atol=1e-6)
+    assert compare.max_abs_diff(cached, recomputed) <= 1e-6
+
+
+def without_reference(pairs):
+    return {k: v for k, v in pairs.items() if not k.startswith("ref_")}
+
+
+def test_reference_keys_say_summed_or_per_token(setup):
+    graphdef, params, pairs = setup
+    per_token = dpo.reference_log_probs(graphdef, params, without_reference(pairs), length_normalize=True,
+                                        batch_size=48)
+    assert "ref_chosen_logps" not in per_token and "ref_rejected_logps" not in per_token
+    b = batch(per_token, 0)
+    chosen, rejected = dpo.pair_log_probs(graphdef, params, b, length_normalize=True)
+    np.testing.assert_allclose(b["ref_chosen_logps_per_token"], chosen, rtol=1e-5)
+    np.testing.assert_allclose(b["ref_rejected_logps_per_token"], rejected, rtol=1e-5)
+
+
+def test_summed_and_per_token_references_are_never_mixed(setup):
+    graphdef, params, pairs = setup  # pairs carry summed reference log-probs only
+    b = batch(pairs, 0)
+    fix = r"reference_log_probs\(\.\.\., length_normalize=True\)"
+    with pytest.raises(ValueError, match=r"summed reference log-probs.*length_normalize=True.*" + fix):
+        dpo.objective(graphdef, loss_type="ipo", length_normalize=True)(params, b)
+    with pytest.raises(ValueError, match=fix):
+        dpo.eval_metrics(graphdef, params, b, loss_type="ipo", length_normalize=True)
+    per_token = dpo.reference_log_probs(graphdef, params, without_reference(pairs), length_normalize=True,
+                                        batch_size=48)
+    with pytest.raises(ValueError, match=r"per-token reference log-probs.*reference_log_probs\(\.\.\., "
+                                         r"length_normalize=False\)"):
+        dpo.objective(graphdef)(params, batch(per_token, 0))
+    with pytest.raises(ValueError, match=r"no cached reference log-probs.*cached_reference=False"):
+        dpo.objective(graphdef)(params, batch(without_reference(pairs), 0))
+
+
+def test_each_objective_reads_the_reference_of_its_kind(setup):
+    graphdef, params, pairs = setup
+    both = dpo.reference_log_probs(graphdef, params, pairs, length_normalize=True, batch_size=48)
+    b = batch(both, 0)  # policy == reference, so h = 0 for either kind
+    summed = dpo.objective(graphdef)(params, b)
+    per_token = dpo.objective(graphdef, beta=0.5, loss_type="ipo", length_normalize=True)(params, b)
+    np.testing.assert_allclose(summed[0] / summed[1], np.log(2), rtol=1e-5)
+    np.testing.assert_allclose(per_token[0] / per_token[1], (1 / (2 * 0.5)) ** 2, rtol=1e-5)
+    metrics = dpo.eval_metrics(graphdef, params, b, beta=0.5, loss_type="ipo", length_normalize=True)
+    np.testing.assert_allclose(metrics["eval/loss"], 1.0, rtol=1e-5)
+
+
+def test_reference_log_probs_compiles_once(setup, caplog):
+    graphdef, params, pairs = setup
+    rows = {k: v[:24] for k, v in without_reference(pairs).items()}
+
+    def compiles():
+        n = sum(r.getMessage().startswith("Compiling") for r in caplog.records)
+        caplog.clear()
+        return n
+
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles():
+        dpo.reference_log_probs(graphdef, params, rows, batch_size=24)  # a shape not seen before
+        first = compiles()
+        dpo.reference_log_probs(graphdef, params, rows, batch_size=24)
+        second = compiles()
+    assert first >= 1 and second == 0
 
 
 def test_auto_compute_dtype_is_float32_on_cpu():
-    assert train.resolve_compute_dtype("auto") is None
-    assert train.resolve_compute_dtype("bfloat16") == "bfloat16"
-    assert train.resolve_compute_dtype(jnp.float32) is None
+    assert precision.resolve_compute_dtype("auto") is None
+    assert precision.resolve_compute_dtype("bfloat16") == "bfloat16"
+    assert precision.resolve_compute_dtype(jnp.float32) is None

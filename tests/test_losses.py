@@ -134,6 +134,43 @@ def test_jsd_interior_vanishes_near_the_endpoints():
     assert 0 < near < 2e-3 * forward
 
 
+def _np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _trl_generalized_jsd_loss(student_logits, teacher_logits, labels, beta, temperature=1.0):
+    """TRL's `GKDTrainer.generalized_jsd_loss` (reduction="batchmean"), transcribed to numpy.
+
+    torch's `F.kl_div(input, target, log_target=True)` is exp(target) * (target - input).
+    """
+    kl_div = lambda inp, target: np.exp(target) * (target - inp)  # noqa: E731
+    s = _np_log_softmax(np.asarray(student_logits, np.float64) / temperature)
+    t = _np_log_softmax(np.asarray(teacher_logits, np.float64) / temperature)
+    if beta == 0:
+        jsd = kl_div(s, t)
+    elif beta == 1:
+        jsd = kl_div(t, s)
+    else:
+        mix = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
+        jsd = beta * kl_div(mix, t) + (1 - beta) * kl_div(mix, s)
+    mask = labels != -100
+    return jsd[mask].sum() / max(mask.sum(), 1)  # "batchmean" with labels: over all valid tokens
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_jsd_at_temperature_1_equals_trls_loss_for_one_full_example(beta):
+    s, t, y, _ = _random_example(4, L=6)
+    full = jnp.ones(6)
+    trl = _trl_generalized_jsd_loss(s[None], t[None], np.asarray(y)[None], beta)
+    got = losses.generalized_jsd_per_example(s, t, y, full, beta=beta, temperature=1.0)
+    np.testing.assert_allclose(got, trl, rtol=1e-5)
+    # At T != 1 the kit multiplies by T^2 (TRL does not).
+    got = losses.generalized_jsd_per_example(s, t, y, full, beta=beta, temperature=2.0)
+    trl = _trl_generalized_jsd_loss(s[None], t[None], np.asarray(y)[None], beta, temperature=2.0)
+    np.testing.assert_allclose(got, 4.0 * trl, rtol=1e-5)
+
+
 # -------------------------------------------------------------- masking and stability
 
 

@@ -1,4 +1,4 @@
-"""Every lesson follows the notebook anatomy of DESIGN.md and is stored executed and clean."""
+"""Every lesson follows the notebook anatomy of CONTRIBUTING.md and is stored executed and clean."""
 
 import ast
 import json
@@ -68,19 +68,19 @@ def test_nbval_markers_are_first_lines(notebook):
             assert len(src.splitlines()[0]) > len("# NBVAL_IGNORE_OUTPUT") + 3
 
 
-SOLUTION_REF = re.compile(r"tunix_nb\.solutions\.(lesson\d\d)\.(\w+)")
+SOLUTION_REF = re.compile(r"solutions\.(lesson\d\d)\.(\w+)")
 
 
 def defined_functions(module: str) -> set:
-    """Top-level function names of tunix_nb/solutions/<module>.py, read without importing it."""
-    path = REPO / "tunix_nb" / "solutions" / f"{module}.py"
+    """Top-level function names of notebooks/solutions/<module>.py, read without importing it."""
+    path = REPO / "notebooks" / "solutions" / f"{module}.py"
     if not path.exists():
         return set()
     return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
 
 
 def test_every_solution_names_the_function_that_checks_it(notebook):
-    """Each exercise's written solution names a tunix_nb.solutions.lessonNN function (which
+    """Each exercise's written solution names a solutions.lessonNN function (which
     tests/test_solutions.py checks), and every function named exists."""
     path, nb = notebook
     markdown = "\n".join(source(c) for c in nb["cells"] if c["cell_type"] == "markdown")
@@ -93,7 +93,7 @@ def test_every_solution_names_the_function_that_checks_it(notebook):
     lesson = f"lesson{path.name[:2]}"
     for k, item in enumerate(items, start=1):
         refs = SOLUTION_REF.findall(item)
-        assert refs, f"{path.name} solution {k} names no tunix_nb.solutions.{lesson} function"
+        assert refs, f"{path.name} solution {k} names no solutions.{lesson} function"
         for module, name in refs:
             assert module == lesson, f"{path.name} solution {k} names {module}.{name}, not a {lesson} function"
             assert name in defined_functions(module), f"{path.name} solution {k}: no function {module}.{name}"

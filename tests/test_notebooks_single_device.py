@@ -39,12 +39,14 @@ def test_the_device_check_sees_device_code():
 
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name not in DEVICE_INDEPENDENT],
                          ids=lambda p: p.name)
-def test_notebook_runs_on_one_device(path, monkeypatch):
+def test_notebook_runs_on_one_device(path, monkeypatch, tmp_path):
+    """Run from a fresh working directory, not notebooks/ (Colab's is /content), so that
+    nothing reads a path relative to the notebook's folder."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    monkeypatch.setenv("TUNIX_NB_DEVICES", "1")  # the setup cell then skips simulation
+    monkeypatch.setenv("TUNIX_NB_DEVICES", "1")  # the setup cell then simulates 1 device
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+                            resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError, naming the cell, on any error
     setup_cell = next(c for c in nb.cells if c.cell_type == "code")
     setup_output = "".join(o.get("text", "") for o in setup_cell.outputs if o.get("output_type") == "stream")

@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tunix_nb import data, model, parallel, train
+from tunix_nb import compare, data, model, parallel, train
+from tunix_nb import dpo as dpo_method
+from tunix_nb import sft as sft_method
 from tunix_nb.tokenizer import ByteTokenizer
 
 MESH_MODES = ("shard_map", "dp", "fsdp")
 N = 8  # conftest.py simulates 8 CPU devices
-
-
-def max_param_diff(a, b):
-    return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def optimizer():
@@ -41,7 +39,7 @@ def sft():
     examples = sorted(data.load_sft()[:256], key=lambda e: len(e["completion"]))
     rows = data.sft_arrays(examples, ByteTokenizer(), data.DEFAULT_SEQ_LEN)
     graphdef, params = model.split(model.make_model("tiny", seed=0))
-    objective, opt = train.sft_objective(graphdef, compute_dtype=None), optimizer()
+    objective, opt = sft_method.objective(graphdef, compute_dtype=None), optimizer()
     steps = {mode: train.make_step(objective, opt, parallel_mode=mode, donate=mode != "jit")  # as the CLI
              for mode in ("jit", *MESH_MODES)}
     return {"rows": rows, "params": params, "opt": opt, "objective": objective, "steps": steps}
@@ -77,7 +75,7 @@ def test_devices_hold_different_token_counts(sft):
 def test_sft_strategy_matches_single_device_after_10_steps(sft, sft_jit, mode):
     jit_params, _, jit_hist = sft_jit
     params, opt_state, hist = run_sft(sft, mode)
-    assert max_param_diff(jit_params, params) <= 1e-5
+    assert compare.max_abs_diff(jit_params, params) <= 1e-5
     np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in jit_hist], rtol=1e-5)
     np.testing.assert_allclose([h["grad_norm"] for h in hist], [h["grad_norm"] for h in jit_hist], rtol=1e-4)
     assert on_device0((params, opt_state))  # gathered back, whatever the strategy
@@ -105,7 +103,7 @@ def test_a_checkpoint_saved_under_fsdp_resumes_under_shard_map(sft, sft_jit, tmp
     manager.close()
     params, _, _ = train.run(sft["steps"]["shard_map"], params, opt_state, lambda s: global_batch(sft["rows"], s),
                              steps=5, start_step=meta["step"], parallel_mode="shard_map", progress=False)
-    assert max_param_diff(sft_jit[0], params) <= 1e-5  # the same as 10 uninterrupted steps on one device
+    assert compare.max_abs_diff(sft_jit[0], params) <= 1e-5  # the same as 10 uninterrupted steps on one device
 
 
 # ----------------------------------------------------------------------------- DPO
@@ -115,8 +113,8 @@ def test_a_checkpoint_saved_under_fsdp_resumes_under_shard_map(sft, sft_jit, tmp
 def dpo():
     graphdef, params = model.split(model.make_model("tiny", seed=0))
     pairs = data.preference_arrays(data.load_preferences()[:64], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
-    pairs = train.reference_log_probs(graphdef, params, pairs, batch_size=64)
-    objective, opt = train.dpo_objective(graphdef, compute_dtype=None), optimizer()
+    pairs = dpo_method.reference_log_probs(graphdef, params, pairs, batch_size=64)
+    objective, opt = dpo_method.objective(graphdef, compute_dtype=None), optimizer()
 
     def run(mode):
         step = train.make_step(objective, opt, parallel_mode=mode)
@@ -130,7 +128,7 @@ def dpo():
 def test_dpo_strategy_matches_single_device_after_10_steps(dpo, mode):
     run, (jit_params, _, jit_hist) = dpo
     params, _, hist = run(mode)
-    assert max_param_diff(jit_params, params) <= 1e-5
+    assert compare.max_abs_diff(jit_params, params) <= 1e-5
     for key in ("loss", "rewards/margin"):
         np.testing.assert_allclose([h[key] for h in hist], [h[key] for h in jit_hist], rtol=1e-4, atol=1e-6)
     assert jit_hist[-1]["rewards/margin"] > 0
@@ -211,3 +209,38 @@ def test_gather_brings_a_sharded_tree_back_whole_to_device_0():
     back = parallel.gather({"x": parallel.place_state({"x": x}, mesh, "fsdp")["x"]})
     assert on_device0(back)
     np.testing.assert_array_equal(back["x"], x)
+
+
+# ------------------------------------------------------------------ RPO across devices
+
+
+@pytest.fixture(scope="module")
+def rpo():
+    """DPO + the chosen answers' NLL (sft_weight > 0), a token mean over the global batch."""
+    graphdef, params = model.split(model.make_model("tiny", seed=0))
+    pairs = data.preference_arrays(data.load_preferences()[:64], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    pairs = dpo_method.reference_log_probs(graphdef, params, pairs, batch_size=64)
+    objective, opt = dpo_method.objective(graphdef, sft_weight=1.0, compute_dtype=None), optimizer()
+
+    def run(mode, steps=3):
+        step = train.make_step(objective, opt, parallel_mode=mode)
+        return train.run(step, params, opt.init(params), lambda s: data.batch_at(pairs, s, 16, seed=0),
+                         steps=steps, parallel_mode=mode, progress=False)
+
+    return pairs, run, run("jit")
+
+
+def test_rpo_batches_put_different_chosen_token_counts_on_the_devices(rpo):
+    pairs = rpo[0]
+    for s in range(3):
+        counts = data.batch_at(pairs, s, 16, seed=0)["chosen_loss_mask"].reshape(N, 2, -1).sum(axis=(1, 2))
+        assert counts.min() < counts.max()
+
+
+@pytest.mark.parametrize("mode", ["pmap", "shard_map", "dp"])
+def test_rpo_term_is_the_global_token_mean_under_every_strategy(rpo, mode):
+    _, run, (jit_params, _, jit_hist) = rpo
+    params, _, hist = run(mode)
+    assert compare.max_abs_diff(jit_params, params) <= 1e-5
+    for key in ("loss", "sft/chosen_nll"):
+        np.testing.assert_allclose([h[key] for h in hist], [h[key] for h in jit_hist], rtol=1e-5)

@@ -3,14 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import data, model, train
+from tunix_nb import compare, data, distill, model, sft, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 SEQ_LEN = data.DEFAULT_SEQ_LEN
-
-
-def max_param_diff(a, b):
-    return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +27,7 @@ def global_batch(rows, step):
 def run_sft(rows, parallel_mode, steps=10, compute_dtype=None):
     graphdef, params = model.split(model.make_model("tiny", seed=0))
     opt = train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
-    step = train.make_step(train.sft_objective(graphdef, compute_dtype=compute_dtype), opt,
+    step = train.make_step(sft.objective(graphdef, compute_dtype=compute_dtype), opt,
                            parallel_mode=parallel_mode)
     params, _, history = train.run(step, params, opt.init(params), lambda s: global_batch(rows, s),
                                    steps=steps, parallel_mode=parallel_mode, progress=False)
@@ -46,7 +42,7 @@ def test_devices_really_hold_different_token_counts(uneven_rows):
 def test_pmap_sft_matches_single_device_after_10_steps(uneven_rows):
     jit_params, jit_hist = run_sft(uneven_rows, "jit")
     pmap_params, pmap_hist = run_sft(uneven_rows, "pmap")
-    assert max_param_diff(jit_params, pmap_params) <= 1e-5
+    assert compare.max_abs_diff(jit_params, pmap_params) <= 1e-5
     np.testing.assert_allclose([h["loss"] for h in pmap_hist], [h["loss"] for h in jit_hist], rtol=1e-5)
     np.testing.assert_allclose([h["grad_norm"] for h in pmap_hist], [h["grad_norm"] for h in jit_hist], rtol=1e-4)
 
@@ -70,10 +66,10 @@ def test_distill_step_pmap_matches_jit(uneven_rows):
     for mode in ("jit", "pmap"):
         graphdef, params = model.split(model.make_model("tiny", seed=0))
         opt = train.make_optimizer(train.OptimizerConfig(warmup_steps=2, total_steps=20))
-        step = train.make_step(train.distill_objective(graphdef, teacher_graphdef), opt, parallel_mode=mode)
+        step = train.make_step(distill.objective(graphdef, teacher_graphdef), opt, parallel_mode=mode)
         results[mode] = train.run(step, params, opt.init(params), lambda s: global_batch(uneven_rows, s),
                                   steps=5, parallel_mode=mode, frozen=teacher_params, progress=False)
-    assert max_param_diff(results["jit"][0], results["pmap"][0]) <= 1e-5
+    assert compare.max_abs_diff(results["jit"][0], results["pmap"][0]) <= 1e-5
     assert {"distill/soft_loss", "distill/hard_loss"} <= set(results["pmap"][2][0])
 
 

@@ -20,6 +20,10 @@ from pathlib import Path
 
 from tunix_nb import devices
 
+# The committed figures and plots (results/ beside tunix_nb/), found from any working
+# directory: Colab runs notebooks from /content, not from notebooks/.
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+
 # figure name -> (group that measures it, target, "max" if the figure must stay below it)
 FIGURES = {
     "vmap_speedup_over_loop": ("vmap", None, None),
@@ -180,7 +184,7 @@ def bench_mfu(repeats, quick=False):
     import jax.numpy as jnp
     import numpy as np
 
-    from tunix_nb import model, train
+    from tunix_nb import model, sft, train
 
     n = 512 if quick else 2048
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
@@ -193,7 +197,7 @@ def bench_mfu(repeats, quick=False):
     b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
          "attention_mask": np.ones((batch, seq_len), np.int32)}
     opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
-    objective = train.sft_objective(graphdef)
+    objective = sft.objective(graphdef)
     step = train.make_step(objective, opt)
     opt_state = opt.init(params)
     contenders = {"peak_matmul": lambda: matmul(a), "step": lambda: step(params, opt_state, b)}
@@ -250,10 +254,10 @@ def bench_dp(repeats, device_counts, quick=False):
     import jax
     import numpy as np
 
-    from tunix_nb import parallel, train
+    from tunix_nb import parallel, sft, train
 
     graphdef, params, opt, batch = _sft_setup()
-    objective = train.sft_objective(graphdef)
+    objective = sft.objective(graphdef)
     opt_state = opt.init(params)
     jit_step = train.make_step(objective, opt)
     t_jit = median_seconds(lambda: jit_step(params, opt_state, batch), repeats=repeats)
@@ -351,21 +355,21 @@ def bench_ckpt(megabytes, repeats):
 def bench_dpo(repeats):
     import jax
 
-    from tunix_nb import data, model, train
+    from tunix_nb import data, dpo, model, train
     from tunix_nb.tokenizer import ByteTokenizer
 
     graphdef, params = model.split(model.make_model("student", seed=0))
     pairs = data.preference_arrays(data.load_preferences()[:64], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
-    pairs = train.reference_log_probs(graphdef, params, pairs, batch_size=64)
+    pairs = dpo.reference_log_probs(graphdef, params, pairs, batch_size=64)
     batch = data.batch_at(pairs, 0, 32, seed=0)
     opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
     opt_state = opt.init(params)
-    objective = train.dpo_objective(graphdef)
+    objective = dpo.objective(graphdef)
     cached = train.make_step(objective, opt)
-    recompute = train.make_step(train.dpo_objective(graphdef, cached_reference=False), opt)
+    recompute = train.make_step(dpo.objective(graphdef, cached_reference=False), opt)
     # the profile: what the recomputing step adds (one reference forward pass), and what
     # both steps share (the policy's forward and backward passes, the optimizer update)
-    reference_forward = jax.jit(lambda p, b: train.pair_log_probs(graphdef, p, b))
+    reference_forward = jax.jit(lambda p, b: dpo.pair_log_probs(graphdef, p, b))
     policy_grad = jax.jit(jax.grad(lambda p, b: objective(p, b, None)[0]))
     t = interleaved_medians({"cached": lambda: cached(params, opt_state, batch),
                              "recompute": lambda: recompute(params, opt_state, batch, params),
@@ -394,7 +398,7 @@ def bench_dpo(repeats):
 
 def compile_times(only=None) -> dict:
     """Compile and step seconds of each lesson's main step (runs in a child process too)."""
-    from tunix_nb import data, model, train
+    from tunix_nb import data, distill, dpo, model, sft, train
     from tunix_nb.tokenizer import ByteTokenizer
 
     graphdef, params, opt, batch = _sft_setup()
@@ -402,9 +406,9 @@ def compile_times(only=None) -> dict:
     teacher_graphdef, teacher_params = model.split(model.make_model("teacher", seed=1))
     pairs = data.preference_arrays(data.load_preferences()[:32], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
     steps = {
-        "02 distill step": (train.distill_objective(graphdef, teacher_graphdef), batch, teacher_params),
-        "03 sft step": (train.sft_objective(graphdef), batch, None),
-        "04 dpo step": (train.dpo_objective(graphdef, cached_reference=False), pairs, params),
+        "02 distill step": (distill.objective(graphdef, teacher_graphdef), batch, teacher_params),
+        "03 sft step": (sft.objective(graphdef), batch, None),
+        "04 dpo step": (dpo.objective(graphdef, cached_reference=False), pairs, params),
     }
     out = {}
     for name, (objective, step_batch, frozen) in steps.items():

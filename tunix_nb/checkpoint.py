@@ -32,9 +32,15 @@ it to `<k>` only when complete, so a save killed midway never looks like a check
 (Orbax replaces that temporary directory when it saves step k again). Files damaged
 *after* the commit are caught by Orbax/TensorStore when they no longer parse, and by
 the checksums when they still parse but hold other numbers (Orbax does not checksum
-array data). `restore` then warns with the step and the error and falls back to the
-previous checkpoint. Nothing here deletes a checkpoint except Orbax's retention of the
+array data). `restore`, `load_params`, `load_meta` and `load_model` then warn with the
+step and the error and fall back to the previous checkpoint (`newest_readable`, the one
+place that does this). Nothing here deletes a checkpoint except Orbax's retention of the
 newest `keep`; `set_aside` renames a damaged step out of Orbax's sight instead.
+
+**Logging.** Importing this module changes no logging setting or hook. Orbax logs
+through absl; the kit quiets it only around its own calls that would otherwise warn
+(opening a checkpoint read-only), and the noise a failed read leaves behind only while
+`newest_readable` runs.
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import io
 import logging
 import re
 import sys
@@ -56,10 +61,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunix_nb import parallel
-
-# Orbax logs every save at INFO/WARNING level through absl; keep notebooks readable.
-logging.getLogger("absl").setLevel(logging.ERROR)
+from tunix_nb import model, parallel
 
 
 class DamagedCheckpointError(RuntimeError):
@@ -181,69 +183,63 @@ def _drop_closed_loop_noise(previous_hook):
             return
         previous_hook(unraisable)
 
-    hook._drops_read_noise = True
     return hook
 
 
-def _filter_read_noise_from_now_on():
-    """After a failed read: late noise from it (possibly seconds later) is dropped for good.
+@contextlib.contextmanager
+def _absl_quiet(level=logging.ERROR):
+    """Orbax's absl logging below `level` is dropped for the duration, then the level is put back."""
+    absl_logger = logging.getLogger("absl")
+    before = absl_logger.level
+    absl_logger.setLevel(max(level, before))
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(before)
 
-    The filters are narrow: asyncio records about a failed TensorStore/Orbax read,
-    RuntimeError('Event loop is closed') raised in a callback nobody can catch, and the
-    RuntimeWarning about Orbax's metadata coroutine that the failed read never awaited.
-    """
-    asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DropReadNoise) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_DropReadNoise())
-    if not getattr(sys.unraisablehook, "_drops_read_noise", False):
-        sys.unraisablehook = _drop_closed_loop_noise(sys.unraisablehook)
-    warnings.filterwarnings("ignore", message="coroutine 'Store._get_array_metadatas' was never awaited",
-                            category=RuntimeWarning)
+
+# A failed read's late callbacks (from TensorStore's threads, and futures collected later)
+# arrive within about a second of the failure.
+_LATE_NOISE_S = 1.0
 
 
 @contextlib.contextmanager
-def _quiet_attempt():
-    """Run one restore attempt; if it fails, swallow the noise it leaves behind.
+def _quiet_reads():
+    """Checkpoint reads that may fail, with the noise a failed read leaves dropped meanwhile.
 
-    A failed TensorStore read can leave futures that log 'exception was never retrieved'
-    when garbage-collected, and callbacks that raise 'Event loop is closed' in other
-    threads a moment later, with the machine's paths in them. The error itself is
-    reported by the caller's warning. After a successful attempt, whatever was written
-    to stderr is passed on unchanged.
+    A failed TensorStore read leaves futures that log 'exception was never retrieved' when
+    collected, callbacks that raise 'Event loop is closed' in other threads, and coroutines
+    never awaited, all with the machine's paths in them; the caller's warning already
+    reports the error. Yields `failed`, to call when an attempt fails: on leaving, the late
+    noise is then collected and dropped for up to `_LATE_NOISE_S` after the failure. Then
+    the absl level, the asyncio filter, the warning filters and `sys.unraisablehook` are
+    all as they were.
     """
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    levels = [lg.level for lg in loggers]
-    buffer = io.StringIO()
-    late = []
-    failed = False
-    hook = sys.unraisablehook
+    asyncio_logger = logging.getLogger("asyncio")
+    noise_filter = _DropReadNoise()
+    previous_hook = sys.unraisablehook
+    our_hook = _drop_closed_loop_noise(previous_hook)
+    failures = []
+    asyncio_logger.addFilter(noise_filter)
+    sys.unraisablehook = our_hook
     try:
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
-        with contextlib.redirect_stderr(buffer), warnings.catch_warnings():
-            # a failed read also leaves coroutines that were never awaited
+        with _absl_quiet(logging.CRITICAL), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
             try:
-                yield
-            except BaseException:
-                failed = True
-                raise
+                yield lambda: failures.append(time.monotonic())
             finally:
-                if failed:  # let late callbacks of the failed read arrive, and collect them
-                    sys.unraisablehook = late.append
-                    deadline, seen = time.monotonic() + 1.0, None
-                    while time.monotonic() < deadline and seen != (len(buffer.getvalue()), len(late)):
-                        seen = (len(buffer.getvalue()), len(late))
-                        gc.collect()
-                        time.sleep(0.05)
+                if failures:
+                    _collect_late_noise_until(failures[-1] + _LATE_NOISE_S)
     finally:
-        sys.unraisablehook = hook
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-        if failed:
-            _filter_read_noise_from_now_on()
-        elif buffer.getvalue():
-            sys.stderr.write(buffer.getvalue())
+        if sys.unraisablehook is our_hook:  # unless someone replaced it meanwhile
+            sys.unraisablehook = previous_hook
+        asyncio_logger.removeFilter(noise_filter)
+
+
+def _collect_late_noise_until(deadline: float) -> None:
+    while time.monotonic() < deadline:
+        gc.collect()  # the failed read's futures log when collected: now, while filtered
+        time.sleep(0.05)
 
 
 def _describe(err, directory) -> str:
@@ -267,18 +263,91 @@ def _verify(meta: dict, name: str, tree) -> None:
             f"{name} read back with checksum {checksum(tree)}, but it was saved with {saved}")
 
 
+def _caller_outside_this_module() -> int:
+    """The `stacklevel` that makes a warning name the first line outside this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def newest_readable(manager_or_dir, read, *, step: int | None = None):
+    """`read(manager, s)` for the newest step s it succeeds on: the fallback over damaged checkpoints.
+
+    `manager_or_dir` is a CheckpointManager, or a checkpoint directory (opened read-only).
+    Steps are tried newest first. A step that `read` raises on is reported with a
+    `DamagedCheckpointWarning` (its step and the error, without the machine's paths) and
+    left in place; the next older one is tried. With `step`, only that one is tried and a
+    damaged one raises `DamagedCheckpointError`. Raises FileNotFoundError when there is no
+    checkpoint (or none at `step`) and DamagedCheckpointError when none reads. The noise a
+    failed read leaves behind is dropped while this runs, and only then.
+    """
+    if isinstance(manager_or_dir, ocp.CheckpointManager):
+        manager, where = manager_or_dir, manager_or_dir.directory.name
+    else:
+        manager, where = _reader(manager_or_dir), str(manager_or_dir)
+    name = manager.directory.name
+    steps = _steps_to_try(manager, where, step)
+    failures = []
+    with _quiet_reads() as failed:
+        for candidate in steps:
+            try:
+                return read(manager, candidate)
+            except Exception as err:  # a damaged checkpoint raises many kinds of errors
+                failed()
+                why = _describe(err, manager.directory)
+                del err  # drop the traceback (and the failed read's futures) now
+            if step is not None:
+                raise DamagedCheckpointError(f"Checkpoint at step {candidate} in {name} is damaged: {why}")
+            failures.append((candidate, why))
+            older = [s for s in steps if s < candidate]
+            warnings.warn(
+                f"Checkpoint at step {candidate} in {name} could not be restored ({why}); "
+                + (f"falling back to step {older[0]}." if older else "no older checkpoint to fall back to.")
+                + " Its files were left in place.", DamagedCheckpointWarning,
+                stacklevel=_caller_outside_this_module())
+    raise DamagedCheckpointError(f"No checkpoint in {name} could be restored: "
+                                 + "; ".join(f"step {s}: {why}" for s, why in failures))
+
+
+def _steps_to_try(manager, where: str, step: int | None) -> list[int]:
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+        raise FileNotFoundError(f"No checkpoints in {where}; save one there first (checkpoint.save, "
+                                f"or python -m tunix_nb.train sft --ckpt-dir {where}).")
+    if step is None:
+        return steps
+    if step not in steps:
+        raise FileNotFoundError(f"No checkpoint for step {step} in {where}; have {sorted(steps)}.")
+    return [step]
+
+
+def newest_readable_meta(manager) -> dict | None:
+    """The meta of the newest checkpoint whose meta reads, or None: quietly.
+
+    For a look before resuming (is this the same run?); `restore` then reports the damage.
+    """
+    if not manager.all_steps():
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DamagedCheckpointWarning)
+        try:
+            return newest_readable(manager, _read_meta)
+        except DamagedCheckpointError:
+            return None
+
+
 def _restore_step(manager, step: int, params_like, opt_state_like, placement):
     params_like = _pure(params_like)
     shardings = (None, None) if placement is None else parallel.state_shardings(
         (params_like, opt_state_like), *placement)
-    with _quiet_attempt():
-        meta = _read_meta(manager, step)
-        items = {"params": ocp.args.StandardRestore(_targets(params_like, shardings[0])),
-                 "opt_state": ocp.args.StandardRestore(_targets(opt_state_like, shardings[1]))}
-        if "rng_impl" in meta:  # a host array: the same in every process
-            key_like = jax.random.key_data(jax.random.key(0, impl=meta["rng_impl"]))
-            items["rng"] = ocp.args.StandardRestore({"key_data": np.zeros(key_like.shape, key_like.dtype)})
-        restored = manager.restore(step, args=ocp.args.Composite(**items))
+    meta = _read_meta(manager, step)
+    items = {"params": ocp.args.StandardRestore(_targets(params_like, shardings[0])),
+             "opt_state": ocp.args.StandardRestore(_targets(opt_state_like, shardings[1]))}
+    if "rng_impl" in meta:  # a host array: the same in every process
+        key_like = jax.random.key_data(jax.random.key(0, impl=meta["rng_impl"]))
+        items["rng"] = ocp.args.StandardRestore({"key_data": np.zeros(key_like.shape, key_like.dtype)})
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
     for name in items:
         _verify(meta, name, restored[name])
     meta = dict(meta)
@@ -308,37 +377,13 @@ def restore(manager, *, params_like, opt_state_like, step: int | None = None, re
     if mesh is not None and replicate_to is not None:
         raise ValueError("replicate_to (pmap) and mesh cannot be combined; choose one placement.")
     placement = None if mesh is None else (mesh, parallel_mode)
-    steps = sorted(manager.all_steps(), reverse=True)
-    name = manager.directory.name
-    if step is not None:
-        if step not in steps:
-            raise FileNotFoundError(f"No checkpoint for step {step} in {name}; have {sorted(steps)}.")
-        steps = [step]
-    if not steps:
-        raise FileNotFoundError(f"No checkpoints in {name}.")
-    failures = []
-    for candidate in steps:
-        try:
-            params, opt_state, meta = _restore_step(manager, candidate, params_like, opt_state_like, placement)
-        except Exception as err:  # a damaged checkpoint raises many kinds of errors
-            why = _describe(err, manager.directory)
-            del err  # drop the traceback (and the failed read's futures) now
-            if step is not None:
-                raise DamagedCheckpointError(f"Checkpoint at step {candidate} in {name} is damaged: {why}") from None
-            failures.append((candidate, why))
-            older = [s for s in steps if s < candidate]
-            warnings.warn(
-                f"Checkpoint at step {candidate} in {name} could not be restored ({why}); "
-                + (f"falling back to step {older[0]}." if older else "no older checkpoint to fall back to.")
-                + " Its files were left in place.", DamagedCheckpointWarning, stacklevel=2)
-            continue
-        if isinstance(params_like, nnx.State):
-            params = _replace_pure(params_like, params)
-        if replicate_to is not None:
-            params, opt_state = parallel.replicate((params, opt_state), replicate_to)
-        return params, opt_state, meta
-    raise DamagedCheckpointError(f"No checkpoint in {name} could be restored: "
-                                 + "; ".join(f"step {s}: {why}" for s, why in failures))
+    params, opt_state, meta = newest_readable(
+        manager, lambda m, s: _restore_step(m, s, params_like, opt_state_like, placement), step=step)
+    if isinstance(params_like, nnx.State):
+        params = _replace_pure(params_like, params)
+    if replicate_to is not None:
+        params, opt_state = parallel.replicate((params, opt_state), replicate_to)
+    return params, opt_state, meta
 
 
 def set_aside(manager, step: int) -> Path:
@@ -371,37 +416,23 @@ def _reader(ckpt_dir):
     path = Path(ckpt_dir).absolute()
     if not path.is_dir():
         raise FileNotFoundError(f"No checkpoint directory {ckpt_dir}.")
-    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
-                                 item_handlers={"params": ocp.StandardCheckpointHandler(),
-                                                "meta": ocp.JsonCheckpointHandler()})
+    with _absl_quiet():  # a read-only manager warns that it is read-only, with the machine's path
+        return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
+                                     item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                                    "meta": ocp.JsonCheckpointHandler()})
 
 
-def _steps_to_try(manager, ckpt_dir, step):
-    steps = sorted(manager.all_steps(), reverse=True)
-    if not steps:
-        raise FileNotFoundError(f"No checkpoints in {ckpt_dir}; train with --ckpt-dir {ckpt_dir} first.")
-    if step is not None:
-        if step not in steps:
-            raise FileNotFoundError(f"No checkpoint for step {step} in {ckpt_dir}; have {sorted(steps)}.")
-        return [step]
-    return steps
-
-
-def _first_readable(manager, ckpt_dir, step, read):
-    steps = _steps_to_try(manager, ckpt_dir, step)
-    name = Path(ckpt_dir).name
-    for candidate in steps:
-        try:
-            return read(candidate)
-        except Exception as err:
-            why = _describe(err, manager.directory)
-            del err
-            if step is not None:
-                raise DamagedCheckpointError(f"Checkpoint at step {candidate} in {name} is damaged: {why}") from None
-            warnings.warn(f"Checkpoint at step {candidate} in {name} could not be read ({why}); "
-                          "trying an older one. Its files were left in place.", DamagedCheckpointWarning,
-                          stacklevel=3)
-    raise DamagedCheckpointError(f"No checkpoint in {name} could be read.")
+def _read_params_and_meta(manager, step: int):
+    """(params as host NumPy arrays, meta) of one step, checked against the saved checksum."""
+    meta = _read_meta(manager, step)
+    # shapes and dtypes from the checkpoint, onto this process's first device: it may
+    # have been written by other devices or processes than the ones here
+    saved = manager.item_metadata(step)["params"]
+    like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
+    restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_targets(like))))
+    params = jax.tree.map(np.asarray, restored["params"])
+    _verify(meta, "params", params)
+    return params, meta
 
 
 def load_params(ckpt_dir, step: int | None = None):
@@ -410,32 +441,50 @@ def load_params(ckpt_dir, step: int | None = None):
     Works on a training run's directory (the newest step by default, falling back
     with a warning when it is damaged) without knowing the model or the optimizer.
     """
-    manager = _reader(ckpt_dir)
-
-    def read(s):
-        with _quiet_attempt():
-            meta = _read_meta(manager, s)
-            # shapes and dtypes from the checkpoint, onto this process's first device: it may
-            # have been written by other devices or processes than the ones here
-            saved = manager.item_metadata(s)["params"]
-            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
-            restored = manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(_targets(like))))
-        params = jax.tree.map(np.asarray, restored["params"])
-        _verify(meta, "params", params)
-        return params
-
-    return _first_readable(manager, ckpt_dir, step, read)
+    return newest_readable(ckpt_dir, _read_params_and_meta, step=step)[0]
 
 
 def load_meta(ckpt_dir, step: int | None = None) -> dict:
     """The JSON `meta` item of a checkpoint (the newest readable one by default)."""
-    manager = _reader(ckpt_dir)
+    return newest_readable(ckpt_dir, _read_meta, step=step)
 
-    def read(s):
-        with _quiet_attempt():
-            return _read_meta(manager, s)
 
-    return _first_readable(manager, ckpt_dir, step, read)
+def model_preset(meta: dict, where="The checkpoint") -> str:
+    """The model preset a checkpoint's meta names: `meta["model"]`, or its run config's."""
+    preset = meta.get("model") or meta.get("config", {}).get("model")
+    if preset is None:
+        raise ValueError(f"{where} names no model preset (its meta has neither 'model' nor "
+                         "'config': {'model': ...}). Build the model yourself and fill it with "
+                         "checkpoint.params_into(params_like, checkpoint.load_params(ckpt_dir)).")
+    if preset not in model.PRESETS:
+        raise ValueError(f"{where} names the model {preset!r}, which is not a preset; "
+                         f"the presets are {sorted(model.PRESETS)}. Build the model yourself and use "
+                         "checkpoint.params_into(params_like, checkpoint.load_params(ckpt_dir)).")
+    return preset
+
+
+def load_model(ckpt_dir, step: int | None = None):
+    """(graphdef, params, meta) of the model saved in `ckpt_dir`, ready for `model.apply`.
+
+    The preset comes from the checkpoint's meta; params and meta from the same step (the
+    newest readable one by default, see `load_params`). The structure comes from
+    `nnx.eval_shape`: no random initialisation to run only to be overwritten.
+    """
+    params, meta = newest_readable(ckpt_dir, _read_params_and_meta, step=step)
+    preset = model_preset(meta, ckpt_dir)
+    graphdef, like = nnx.split(nnx.eval_shape(lambda: model.make_model(preset)))
+    _check_fits(like, params, f"{ckpt_dir} (model {preset!r})")
+    return graphdef, jax.device_put(params_into(like, params)), meta
+
+
+def _check_fits(params_like, pure, what: str) -> None:
+    want = {_path_name(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(_pure(params_like))}
+    got = {_path_name(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(pure)}
+    if want != got:
+        differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        shown = "; ".join(f"{k}: saved {got.get(k)}, preset {want.get(k)}" for k in differ[:3])
+        raise ValueError(f"The parameters in {what} do not fit that preset ({shown}"
+                         f"{'; …' if len(differ) > 3 else ''}). Was the meta written for another model?")
 
 
 def params_into(params_like, pure):
@@ -444,7 +493,11 @@ def params_into(params_like, pure):
 
 
 def export_params(params, out_dir, *, step: int, meta: dict):
-    """Write a parameters-only checkpoint (no optimizer state): small enough to ship."""
+    """Write a parameters-only checkpoint (no optimizer state): small enough to ship.
+
+    Orbax's `commit_success.txt` files are removed afterwards: they hold this machine's
+    absolute path, and on a local filesystem the commit is the rename, so no reader needs them.
+    """
     params = _pure(params)
     manager = ocp.CheckpointManager(Path(out_dir).absolute(), options=ocp.CheckpointManagerOptions(
         max_to_keep=1, enable_async_checkpointing=False, create=True))
@@ -453,3 +506,5 @@ def export_params(params, out_dir, *, step: int, meta: dict):
         meta=ocp.args.JsonSave({**meta, "step": int(step), "checksums": {"params": checksum(params)}})))
     manager.wait_until_finished()
     manager.close()
+    for marker in (Path(out_dir) / str(int(step))).rglob("commit_success.txt"):
+        marker.unlink()

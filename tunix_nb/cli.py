@@ -25,20 +25,17 @@ shard_map: each process loads only its share of every batch, they save checkpoin
 together into one --ckpt-dir (shared storage), and process 0 prints and writes the
 metrics file.
 
-`preempt` (for tests and notebook 05) runs the CLI and SIGKILLs it between saves or
-during one.
+`main` is a few named steps over a `RunConfig`: resolve the config, open (and check) the
+checkpoint directory, build the method, resume, train with saves. `tunix_nb.preempt`
+runs this CLI and SIGKILLs it mid-run (tests and notebook 05).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -50,10 +47,10 @@ MESH_CHOICES = ("shard_map", "dp", "fsdp")  # parallel.MESH_MODES: the strategie
 COMMANDS = ("sft", "distill", "dpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # as tunix_nb.losses.DPO_LOSS_TYPES, without importing JAX
 # Flags that define a run: resuming with other values would be a different run.
-RUN_DEFINING = ("command", "model", "teacher", "init_from", "beta", "loss_type", "sft_weight", "steps",
-                "batch_size", "seed", "learning_rate", "warmup_steps", "compute_dtype")
+RUN_DEFINING = ("command", "model", "teacher", "init_from", "beta", "loss_type", "sft_weight",
+                "length_normalize", "steps", "batch_size", "seed", "learning_rate", "warmup_steps",
+                "compute_dtype")
 DEFAULT_LEARNING_RATE = {"sft": 3e-3, "distill": 3e-3, "dpo": 1e-3}
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step before committing it
 
 
 def _positive_int(text: str) -> int:
@@ -117,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dpo: sigmoid (DPO), ipo or hinge (SLiC) (default: sigmoid)")
     parser.add_argument("--sft-weight", type=_non_negative_float,
                         help="dpo: weight of an SFT term on the chosen answers (RPO) (default: 0)")
+    parser.add_argument("--length-normalize", action="store_true", default=None,
+                        help="dpo: compare per-token mean log-probs instead of sums (what IPO wants)")
     parser.add_argument("--steps", type=_positive_int, default=300, help="total training steps")
     parser.add_argument("--batch-size", type=_positive_int, default=64,
                         help="global batch size (examples, or pairs for dpo), split over the devices")
@@ -160,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_flags(parser, args) -> None:
     """Flag combinations argparse cannot check on its own; fills in per-command defaults."""
-    only = {"teacher": "distill", "init_from": "dpo", "beta": "dpo", "loss_type": "dpo", "sft_weight": "dpo"}
+    only = {"teacher": "distill", "init_from": "dpo", "beta": "dpo", "loss_type": "dpo", "sft_weight": "dpo",
+            "length_normalize": "dpo"}
     for name, command in only.items():
         if getattr(args, name) is not None and args.command != command:
             parser.error(f"--{name.replace('_', '-')} applies only to {command}, not {args.command}")
@@ -168,6 +168,7 @@ def _check_flags(parser, args) -> None:
         args.beta = 0.1 if args.beta is None else args.beta
         args.loss_type = args.loss_type or "sigmoid"
         args.sft_weight = 0.0 if args.sft_weight is None else args.sft_weight
+        args.length_normalize = bool(args.length_normalize)
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LEARNING_RATE[args.command]
     if args.warmup_steps is None:
@@ -193,18 +194,198 @@ def _check_flags(parser, args) -> None:
                      f"one of {', '.join(MESH_CHOICES)}")
 
 
-def _newest_readable_meta(manager):
-    """The meta of the newest checkpoint whose meta reads (a damaged one is reported by restore)."""
+class RunError(Exception):
+    """A run that cannot start as asked: printed as `error: ...`, exit status 2, nothing changed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What defines a run, with every default resolved. Saved in each checkpoint's meta:
+    resuming with other values would be a different run (`RUN_DEFINING`)."""
+
+    command: str
+    model: str
+    teacher: str | None
+    init_from: str | None
+    beta: float | None
+    loss_type: str | None
+    sft_weight: float | None
+    length_normalize: bool | None
+    steps: int
+    batch_size: int
+    seed: int
+    learning_rate: float
+    warmup_steps: int
+    compute_dtype: str
+
+    def clashes_with(self, saved: dict) -> dict:
+        """{field: (saved, given)} for every run-defining field that differs from a saved config."""
+        given = dataclasses.asdict(self)
+        return {k: (saved.get(k), given[k]) for k in RUN_DEFINING if saved.get(k) != given[k]}
+
+
+@dataclasses.dataclass
+class Method:
+    """What one command trains: the model, its rows, its objective and what stays frozen."""
+
+    graphdef: object
+    params: object
+    rows: dict
+    objective: object
+    frozen: object = None
+
+
+def resolve_config(args) -> RunConfig:
+    """The run's config from the flags: the model preset and the checkpoints it starts from."""
+    from tunix_nb import checkpoint, data, devices, model
+
+    teacher = init_from = None
+    preset = args.model
+    if args.command == "distill":
+        teacher = args.teacher or str(data.DATA_DIR / "teacher")
+    if args.command == "dpo":
+        init_from = args.init_from or str(data.DATA_DIR / "sft_student")
+        try:
+            init_model = checkpoint.preset_of(checkpoint.load_meta(init_from))
+        except FileNotFoundError:
+            raise RunError(f"--init-from {init_from}: no checkpoint there; train one with "
+                           f"`python -m tunix_nb.train sft --ckpt-dir {init_from}` first")
+        if preset is not None and preset != init_model:
+            raise RunError(f"--model {preset!r} differs from the --init-from checkpoint's model "
+                           f"{init_model!r}; leave --model out")
+        preset = init_model
+    preset = preset or "student"
+    if preset not in model.PRESETS:
+        raise RunError(f"--model {preset!r} is not a preset; choose one of {sorted(model.PRESETS)}")
+    compute_dtype = (devices.defaults_for().compute_dtype if args.compute_dtype == "auto"
+                     else args.compute_dtype)
+    return RunConfig(command=args.command, model=preset, teacher=teacher, init_from=init_from,
+                     beta=args.beta, loss_type=args.loss_type, sft_weight=args.sft_weight,
+                     length_normalize=args.length_normalize, steps=args.steps, batch_size=args.batch_size,
+                     seed=args.seed, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
+                     compute_dtype=compute_dtype)
+
+
+def check_devices(config: RunConfig, parallel_mode: str) -> None:
+    import jax
+
+    n_devices = 1 if parallel_mode == "jit" else jax.device_count()
+    if config.batch_size % n_devices:
+        raise RunError(f"--batch-size {config.batch_size} does not divide by the {n_devices} devices; "
+                       f"use a multiple of {n_devices}")
+
+
+def open_checkpoints(args, config: RunConfig):
+    """The run's CheckpointManager (None without --ckpt-dir), refusing one that holds another run."""
     from tunix_nb import checkpoint
 
-    for step in sorted(manager.all_steps(), reverse=True):
+    if not args.ckpt_dir:
+        return None
+    manager = checkpoint.make_manager(args.ckpt_dir, keep=args.keep, save_every=args.save_every,
+                                      async_save=not args.sync_save)
+    saved = checkpoint.newest_readable_meta(manager)
+    if saved is not None:
+        clashes = config.clashes_with(saved.get("config", {}))
+        if clashes:
+            detail = ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in clashes.items())
+            raise RunError(f"--ckpt-dir {args.ckpt_dir} holds a different run ({detail}). "
+                           "Use another --ckpt-dir, or the same flags to resume it. Nothing was changed.")
+    return manager
+
+
+def build_method(config: RunConfig) -> Method:
+    """The model, data rows, objective and frozen parameters of `config.command`."""
+    from tunix_nb import checkpoint, data, distill, dpo, model, precision, sft
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    graphdef, params = model.split(model.make_model(config.model, seed=config.seed))
+    dtype = precision.resolve_compute_dtype(config.compute_dtype)
+    if config.command == "dpo":  # policy and frozen reference both start from the SFT checkpoint
+        params = checkpoint.params_into(params, checkpoint.load_params(config.init_from))
+        rows = data.preference_arrays(data.load_preferences(), tokenizer, data.DEFAULT_SEQ_LEN)
+        # cached once: the reference never changes
+        rows = dpo.reference_log_probs(graphdef, params, rows, length_normalize=config.length_normalize,
+                                       compute_dtype=dtype)
+        objective = dpo.objective(graphdef, beta=config.beta, loss_type=config.loss_type,
+                                  sft_weight=config.sft_weight, length_normalize=config.length_normalize,
+                                  compute_dtype=dtype)
+        return Method(graphdef, params, rows, objective)
+    rows = data.sft_arrays(data.load_sft(), tokenizer, data.DEFAULT_SEQ_LEN)
+    if config.command == "sft":
+        return Method(graphdef, params, rows, sft.objective(graphdef, compute_dtype=dtype))
+    teacher_graphdef, teacher_params = distill.load_teacher(config.teacher)
+    return Method(graphdef, params, rows, distill.objective(graphdef, teacher_graphdef, compute_dtype=dtype),
+                  frozen=teacher_params)
+
+
+def resume(manager, args, params, opt_state, run_key, mesh):
+    """(params, opt_state, start step): from the newest checkpoint that restores, or as given.
+
+    Damaged newer steps are moved aside (renamed, never deleted) so they can be saved again.
+    """
+    import jax
+
+    from tunix_nb import checkpoint, distributed
+
+    if manager is None or not manager.all_steps():
+        return params, opt_state, 0
+    newest = manager.latest_step()
+    with warnings.catch_warnings(record=True) as caught:  # printed below, without file names
+        warnings.simplefilter("always", checkpoint.DamagedCheckpointWarning)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return checkpoint.load_meta(manager.directory, step)
-        except Exception:
-            continue
-    return None
+            params, opt_state, meta = checkpoint.restore(
+                manager, params_like=params, opt_state_like=opt_state, mesh=mesh,
+                parallel_mode=args.parallel if mesh is not None else None)
+        except checkpoint.DamagedCheckpointError as err:
+            raise RunError(f"{err}. Move the damaged steps out of --ckpt-dir {args.ckpt_dir} (or use "
+                           "another --ckpt-dir) to start over. Nothing was changed.")
+        finally:
+            for w in caught if distributed.is_main_process() else ():
+                print(f"warning: {w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
+    start = meta["step"]
+    if "rng" in meta and not (jax.random.key_data(meta["rng"]) ==
+                              jax.random.key_data(jax.random.fold_in(run_key, start))).all():
+        raise RunError(f"the RNG key saved at step {start} is not this run's; "
+                       "the checkpoint was not written by this command. Nothing was changed.")
+    _set_aside_newer(manager, start)
+    _say(f"Resuming from the checkpoint at step {start} in {args.ckpt_dir}"
+         + (f" (newest was {newest})" if newest != start else ""))
+    return params, opt_state, start
+
+
+def _set_aside_newer(manager, start):
+    """Rename the steps after `start` (they failed to restore), once, from process 0."""
+    import jax
+
+    from tunix_nb import checkpoint, distributed
+
+    for step in sorted(s for s in manager.all_steps() if s > start):
+        if distributed.is_main_process():
+            moved = checkpoint.set_aside(manager, step)
+            _say(f"The checkpoint at step {step} is damaged: moved it aside to {moved.name} "
+                 "(nothing deleted), so that step can be saved again.")
+    if jax.process_count() > 1:  # nobody saves before the renames are done
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("checkpoints set aside")
+        manager.reload()
+
+
+def _say(message):
+    """Print what every process would print alike: once, from process 0."""
+    if distributed.is_main_process():
+        print(message, flush=True)
+
+
+def open_metrics_file(args, start: int):
+    """The metrics file, keeping the lines of steps already done (process 0 only; else None)."""
+    if not args.metrics_file or not distributed.is_main_process():
+        return None
+    path = Path(args.metrics_file)
+    kept = _read_metrics(path, start) if path.exists() and start > 0 else []
+    path.write_text("".join(line + "\n" for line in kept))
+    return path
 
 
 def _read_metrics(path: Path, upto: int) -> list[str]:
@@ -219,261 +400,94 @@ def _read_metrics(path: Path, upto: int) -> list[str]:
     return kept
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_flags(parser, args)
-    if args.devices:
-        devices.simulate_cpu_devices(args.devices)  # before anything starts JAX
-    if args.distributed:  # also before JAX starts: jax.devices() then lists every process's devices
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               heartbeat_timeout_s=args.heartbeat_timeout)
+def train_with_saves(args, config, method, step_fn, opt_state, start, manager, metrics_file, mesh, run_key):
+    """Train from `start` to --stop-after or --steps, saving every --save-every steps; -> (params, step)."""
+    import jax
 
-    import jax  # noqa: E402  (after the device count is fixed)
-
-    from tunix_nb import checkpoint, data, model, parallel, train
-    from tunix_nb.tokenizer import ByteTokenizer
-
-    main_process = distributed.is_main_process()
-
-    def say(message):  # what every process would print alike: once, from process 0
-        if main_process:
-            print(message, flush=True)
-
-    if args.command == "distill" and args.teacher is None:
-        args.teacher = str(data.DATA_DIR / "teacher")
-    init_meta = None
-    if args.command == "dpo":
-        if args.init_from is None:
-            args.init_from = str(data.DATA_DIR / "sft_student")
-        try:
-            init_meta = checkpoint.load_meta(args.init_from)
-        except FileNotFoundError:
-            parser.error(f"--init-from {args.init_from}: no checkpoint there; train one with "
-                         f"`python -m tunix_nb.train sft --ckpt-dir {args.init_from}` first")
-        init_model = init_meta.get("model") or init_meta.get("config", {}).get("model")
-        if args.model is not None and args.model != init_model:
-            parser.error(f"--model {args.model!r} differs from the --init-from checkpoint's model "
-                         f"{init_model!r}; leave --model out")
-        args.model = init_model
-    args.model = args.model or "student"
-    if args.model not in model.PRESETS:
-        parser.error(f"--model {args.model!r} is not a preset; choose one of {sorted(model.PRESETS)}")
-    n_devices = 1 if args.parallel == "jit" else jax.device_count()
-    if args.batch_size % n_devices:
-        parser.error(f"--batch-size {args.batch_size} does not divide by the {n_devices} devices; "
-                     f"use a multiple of {n_devices}")
-    compute_dtype = (devices.defaults_for().compute_dtype if args.compute_dtype == "auto"
-                     else args.compute_dtype)
-    config = {"command": args.command, "model": args.model,
-              "teacher": args.teacher if args.command == "distill" else None,
-              "init_from": args.init_from, "beta": args.beta, "loss_type": args.loss_type,
-              "sft_weight": args.sft_weight,
-              "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed,
-              "learning_rate": args.learning_rate, "warmup_steps": args.warmup_steps,
-              "compute_dtype": compute_dtype}
-
-    manager = None
-    if args.ckpt_dir:  # check the run there before anything else: a clash changes nothing
-        manager = checkpoint.make_manager(args.ckpt_dir, keep=args.keep, save_every=args.save_every,
-                                          async_save=not args.sync_save)
-        saved = _newest_readable_meta(manager) if manager.all_steps() else None
-        if saved is not None:
-            saved_config = saved.get("config", {})
-            clashes = {k: (saved_config.get(k), config[k]) for k in RUN_DEFINING if saved_config.get(k) != config[k]}
-            if clashes:
-                detail = ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in clashes.items())
-                print(f"error: --ckpt-dir {args.ckpt_dir} holds a different run ({detail}). "
-                      "Use another --ckpt-dir, or the same flags to resume it. Nothing was changed.",
-                      file=sys.stderr)
-                return 2
-
-    tokenizer = ByteTokenizer()
-    graphdef, params = model.split(model.make_model(args.model, seed=args.seed))
-    dtype = train.resolve_compute_dtype(compute_dtype)
-    frozen = None
-    if args.command == "dpo":  # policy and frozen reference both start from the SFT checkpoint
-        params = checkpoint.params_into(params, checkpoint.load_params(args.init_from))
-        rows = data.preference_arrays(data.load_preferences(), tokenizer, data.DEFAULT_SEQ_LEN)
-        rows = train.reference_log_probs(graphdef, params, rows)  # cached once: the reference never changes
-        objective = train.dpo_objective(graphdef, beta=args.beta, loss_type=args.loss_type,
-                                        sft_weight=args.sft_weight, compute_dtype=dtype)
-    else:
-        rows = data.sft_arrays(data.load_sft(), tokenizer, data.DEFAULT_SEQ_LEN)
-        if args.command == "sft":
-            objective = train.sft_objective(graphdef, compute_dtype=dtype)
-        else:
-            teacher_meta = checkpoint.load_meta(args.teacher)
-            teacher_graphdef, teacher_like = model.split(model.make_model(teacher_meta["model"]))
-            frozen = checkpoint.params_into(teacher_like, checkpoint.load_params(args.teacher))
-            objective = train.distill_objective(graphdef, teacher_graphdef, compute_dtype=dtype)
-    n_rows = len(next(iter(rows.values())))
-    if args.batch_size > n_rows:
-        parser.error(f"--batch-size {args.batch_size} is larger than the {n_rows} training examples")
-    optimizer = train.make_optimizer(train.OptimizerConfig(
-        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps))
-    opt_state = optimizer.init(params)
-    on_mesh = args.parallel in MESH_CHOICES
-    mesh = parallel.make_mesh() if on_mesh else None  # every process's devices
-    step_fn = train.make_step(objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh)
-    run_key = jax.random.key(args.seed)
-
-    start = 0
-    if manager is not None and manager.all_steps():
-        newest = manager.latest_step()
-        with warnings.catch_warnings(record=True) as caught:  # printed below, without file names
-            warnings.simplefilter("always", checkpoint.DamagedCheckpointWarning)
-            try:
-                restored = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state,
-                                              mesh=mesh, parallel_mode=args.parallel if on_mesh else None)
-            except checkpoint.DamagedCheckpointError as err:
-                restored = err
-        for w in caught if main_process else ():
-            print(f"warning: {w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
-        if isinstance(restored, Exception):
-            print(f"error: {restored}. Move the damaged steps out of --ckpt-dir {args.ckpt_dir} (or use "
-                  "another --ckpt-dir) to start over. Nothing was changed.", file=sys.stderr)
-            return 2
-        params, opt_state, meta = restored
-        start = meta["step"]
-        if "rng" in meta and not (jax.random.key_data(meta["rng"]) ==
-                                  jax.random.key_data(jax.random.fold_in(run_key, start))).all():
-            print(f"error: the RNG key saved at step {start} is not this run's; "
-                  "the checkpoint was not written by this command. Nothing was changed.", file=sys.stderr)
-            return 2
-        for step in sorted(s for s in manager.all_steps() if s > start):  # they failed to restore
-            if main_process:  # one rename, by one process
-                moved = checkpoint.set_aside(manager, step)
-                say(f"The checkpoint at step {step} is damaged: moved it aside to {moved.name} "
-                    "(nothing deleted), so that step can be saved again.")
-        if jax.process_count() > 1:  # nobody saves before the renames are done
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("checkpoints set aside")
-            manager.reload()
-        say(f"Resuming from the checkpoint at step {start} in {args.ckpt_dir}"
-            + (f" (newest was {newest})" if newest != start else ""))
-
-    metrics_file = Path(args.metrics_file) if args.metrics_file and main_process else None
-    if metrics_file is not None:  # keep the lines of steps already done, drop any beyond
-        kept = _read_metrics(metrics_file, start) if metrics_file.exists() and start > 0 else []
-        metrics_file.write_text("".join(line + "\n" for line in kept))
+    from tunix_nb import checkpoint, data, parallel, train
 
     # this process's share of every global batch: all of it, unless several processes run
-    my_rows = parallel.process_rows(mesh, args.batch_size) if on_mesh else None
+    my_rows = parallel.process_rows(mesh, config.batch_size) if mesh is not None else None
 
     def batch_fn(step):
-        return data.batch_at(rows, step, args.batch_size, seed=args.seed, rows=my_rows)
+        return data.batch_at(method.rows, step, config.batch_size, seed=config.seed, rows=my_rows)
 
     def log(step, record):
         if metrics_file is not None:
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    progress = sys.stderr.isatty() and main_process
-    stop = args.steps if args.stop_after is None else args.stop_after
+    params = method.params
+    progress = sys.stderr.isatty() and distributed.is_main_process()
+    stop = config.steps if args.stop_after is None else args.stop_after
     step = start
     while step < stop:  # run to the next save point, save (in the background), repeat
         chunk = min(args.save_every - step % args.save_every, stop - step)
-        # train.run replicates the state under pmap and hands back one (unreplicated) copy; on a
-        # mesh the state stays placed, and every process saves its own shards of it
+        # under pmap train.run hands back one (unreplicated) copy; on a mesh the state stays
+        # placed, and every process saves its own shards of it
         params, opt_state, _ = train.run(step_fn, params, opt_state, batch_fn, steps=chunk, start_step=step,
-                                         parallel_mode=args.parallel, frozen=frozen,
-                                         desc=f"{args.command} {step}->{step + chunk}", progress=progress,
-                                         on_step=log, keep_placement=on_mesh)
+                                         parallel_mode=args.parallel, frozen=method.frozen,
+                                         desc=f"{config.command} {step}->{step + chunk}", progress=progress,
+                                         on_step=log, keep_placement=mesh is not None)
         step += chunk
         if manager is not None:
             checkpoint.save(manager, step, params=params, opt_state=opt_state,
-                            meta={"config": config, "seed": args.seed}, rng=jax.random.fold_in(run_key, step),
-                            force=step == stop)
+                            meta={"config": dataclasses.asdict(config), "seed": config.seed},
+                            rng=jax.random.fold_in(run_key, step), force=step == stop)
     if manager is not None:
         manager.wait_until_finished()
         manager.close()
-    if step < args.steps:
-        say(f"Stopped after step {step} of {args.steps} (--stop-after); run the same command "
-            "without it to resume.")
+    return params, step
+
+
+def start_jax(args) -> None:
+    """Fix the device count and join the other processes: both before JAX starts."""
+    if args.devices:
+        devices.simulate_cpu_devices(args.devices)
+    if args.distributed:  # jax.devices() then lists every process's devices
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               heartbeat_timeout_s=args.heartbeat_timeout)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_flags(parser, args)
+    start_jax(args)
+    import jax
+
+    from tunix_nb import checkpoint, parallel, train
+
+    try:
+        config = resolve_config(args)
+        check_devices(config, args.parallel)
+        manager = open_checkpoints(args, config)  # checked first: a clash changes nothing
+        method = build_method(config)
+        n_rows = len(next(iter(method.rows.values())))
+        if config.batch_size > n_rows:
+            raise RunError(f"--batch-size {config.batch_size} is larger than the {n_rows} training examples")
+        optimizer = train.make_optimizer(train.OptimizerConfig(
+            learning_rate=config.learning_rate, warmup_steps=config.warmup_steps, total_steps=config.steps))
+        mesh = parallel.make_mesh() if args.parallel in MESH_CHOICES else None  # every process's devices
+        step_fn = train.make_step(method.objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh)
+        run_key = jax.random.key(config.seed)
+        method.params, opt_state, start = resume(manager, args, method.params, optimizer.init(method.params),
+                                                 run_key, mesh)
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    metrics_file = open_metrics_file(args, start)
+    params, step = train_with_saves(args, config, method, step_fn, opt_state, start, manager, metrics_file,
+                                    mesh, run_key)
+    if step < config.steps:
+        _say(f"Stopped after step {step} of {config.steps} (--stop-after); run the same command "
+             "without it to resume.")
     else:
         if args.export_params:
             checkpoint.export_params(params, args.export_params, step=step,
-                                     meta={"model": args.model, "config": config})
-        say(f"Done: {args.command} {args.model}, {args.steps} steps"
-            + (f", {jax.process_count()} processes." if jax.process_count() > 1 else "."))
+                                     meta={"model": config.model, "config": dataclasses.asdict(config)})
+        _say(f"Done: {config.command} {config.model}, {config.steps} steps"
+             + (f", {jax.process_count()} processes." if jax.process_count() > 1 else "."))
     if args.distributed:  # leave together: waits for the other processes to finish too
         distributed.shutdown()
     return 0
-
-
-# ------------------------------------------------------------------ preemption drills
-
-
-def _in_flight_saves(ckpt_dir: Path) -> list[str]:
-    return sorted(p.name for p in ckpt_dir.glob(f"*{TMP_SUFFIX}*")) if ckpt_dir.is_dir() else []
-
-
-def _last_logged_step(metrics_file: Path) -> int:
-    try:
-        lines = metrics_file.read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
-
-
-def preempt(argv, *, ckpt_dir, metrics_file, when: str, after_step: int = 1, timeout: float = 120.0,
-            env=None, cwd=None) -> dict:
-    """Run `python -m tunix_nb.train *argv` and SIGKILL it mid-run; returns what was killed when.
-
-    when="between_saves": once the metrics file shows a step > `after_step` and no save
-    is in flight; when="during_save": once a step after `after_step` is being written
-    (Orbax's `<step>.orbax-checkpoint-tmp` directory exists). To kill at a known moment,
-    the process is frozen with SIGSTOP, the condition is checked on the frozen process,
-    and then it is SIGKILLed (or let go with SIGCONT to try again). `argv` must include
-    the --ckpt-dir and --metrics-file given here.
-
-    Returns {"killed": bool, "step": last step logged, "in_flight": tmp dir names, "returncode"}.
-    Raises TimeoutError if the run neither finished nor could be killed in time.
-    """
-    if when not in ("between_saves", "during_save"):
-        raise ValueError(f"when={when!r}: use 'between_saves' or 'during_save'")
-    ckpt_dir, metrics_file = Path(ckpt_dir), Path(metrics_file)
-    if cwd is not None:
-        ckpt_dir, metrics_file = Path(cwd) / ckpt_dir, Path(cwd) / metrics_file
-    stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the run
-    proc = subprocess.Popen([sys.executable, "-m", "tunix_nb.train", *argv], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-    deadline = time.monotonic() + timeout
-    stale = set(_in_flight_saves(ckpt_dir))  # left by an earlier kill: not this run's saves
-
-    def in_flight_saves():
-        return [name for name in _in_flight_saves(ckpt_dir) if name not in stale]
-
-    try:
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the run did not reach the kill point within {timeout} s")
-            step, in_flight = _last_logged_step(metrics_file), in_flight_saves()
-            ready = step > after_step and (bool(in_flight) == (when == "during_save"))
-            if when == "during_save":
-                ready = ready and any(int(name.split(".")[0]) > after_step for name in in_flight)
-            if not ready:
-                time.sleep(0.001)
-                continue
-            os.kill(proc.pid, signal.SIGSTOP)  # freeze it, then check the condition still holds
-            step, in_flight = _last_logged_step(metrics_file), in_flight_saves()
-            if bool(in_flight) == (when == "during_save"):
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-                return {"killed": True, "step": step, "in_flight": in_flight, "returncode": proc.returncode}
-            os.kill(proc.pid, signal.SIGCONT)
-        stderr.seek(0)
-        return {"killed": False, "step": _last_logged_step(metrics_file), "in_flight": [],
-                "returncode": proc.returncode, "stderr": stderr.read()}
-    finally:
-        if proc.poll() is None:  # a timeout or an error above: do not leave it running
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        stderr.close()

@@ -421,11 +421,12 @@ def batch_at(
 ) -> dict[str, np.ndarray]:
     """The batch for training step `step`: a pure function of (seed, step).
 
-    Each epoch visits the N rows in the order of a permutation drawn from
-    `np.random.default_rng([seed, epoch])`. Batch `step` holds positions
-    step*batch_size ... +batch_size-1 of that endless stream, so a batch may take the
-    tail of one epoch and the head of the next, and every batch is full. Resuming
-    from a checkpoint at step k needs no saved data-loader state.
+    An epoch is N // batch_size whole batches, cut in order from a permutation of the N
+    rows drawn from `np.random.default_rng([seed, epoch])`; the N % batch_size rows left
+    at the end of the permutation sit that epoch out (other rows each epoch). So every
+    batch is full and holds distinct examples, and an epoch shows each example at
+    most once (all of them when batch_size divides N). Resuming from a checkpoint at
+    step k needs no saved data-loader state.
 
     `rows` picks a part of the batch (e.g. `parallel.process_rows(...)`, this process's
     share in a multi-process run): only those rows are gathered.
@@ -444,14 +445,10 @@ def batch_at(
         raise DataError(f"step must be an int >= 0, got {step!r}.")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DataError(f"seed must be an int >= 0, got {seed!r}.")
-    start = int(step) * int(batch_size)
-    pos = np.arange(start, start + batch_size)
-    epochs, offsets = pos // n, pos % n
-    idx = np.empty(batch_size, dtype=np.int64)
-    for epoch in np.unique(epochs):  # at most two, as batch_size <= n
-        perm = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
-        sel = epochs == epoch
-        idx[sel] = perm[offsets[sel]]
+    # a batch never spans two epochs' permutations: that is what keeps its examples distinct
+    epoch, slot = divmod(int(step), n // int(batch_size))
+    perm = np.random.default_rng([int(seed), epoch]).permutation(n)
+    idx = perm[slot * batch_size:(slot + 1) * batch_size]
     if rows is not None:
         idx = idx[rows]
     return {k: np.asarray(v)[idx] for k, v in arrays.items()}

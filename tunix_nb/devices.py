@@ -11,11 +11,14 @@ import dataclasses
 import os
 import re
 import sys
+import warnings
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Overrides the device count a notebook's setup cell asks for, e.g. 1 to see the
 # single-device path of every lesson: TUNIX_NB_DEVICES=1 jupyter lab notebooks/
 DEVICES_ENV = "TUNIX_NB_DEVICES"
+# JAX's own setting for the CPU device count; when set, JAX prefers it to the XLA flag.
+JAX_COUNT_ENV = "JAX_NUM_CPU_DEVICES"
 
 
 def _jax_backends_started() -> bool:
@@ -58,6 +61,7 @@ def simulate_cpu_devices(n: int = 8) -> None:
             "before `import jax` and before anything else that uses JAX."
         )
     os.environ["XLA_FLAGS"] = _with_device_count_flag(os.environ.get("XLA_FLAGS", ""), n)
+    os.environ.pop(JAX_COUNT_ENV, None)  # it would win over the flag just set
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:  # imported but not started: the config still applies
         import jax
@@ -66,9 +70,8 @@ def simulate_cpu_devices(n: int = 8) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
-def in_colab() -> bool:
-    """True inside a Google Colab runtime."""
-    return "google.colab" in sys.modules
+# accelerator_hint() -> the pip extra of JAX's build for it (which pins libtpu or the CUDA plugin)
+JAX_EXTRAS = {"tpu": "tpu", "gpu": "cuda12"}
 
 
 def accelerator_hint() -> str | None:
@@ -90,30 +93,50 @@ def accelerator_hint() -> str | None:
     return None
 
 
+def _count_from(name: str, value: str) -> int:
+    """A device count read from the environment, or an error naming the variable to fix."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name}={value!r} is not a positive integer; set it to e.g. 1 or 8.")
+    return n
+
+
+def requested_cpu_devices(default: int) -> tuple[int, str]:
+    """(count, where it came from) for CPU simulation, the most explicit source first.
+
+    TUNIX_NB_DEVICES (this kit's override), then a count the user already gave JAX
+    (JAX_NUM_CPU_DEVICES, or the device-count flag in XLA_FLAGS, as JAX's docs suggest),
+    then `default`, the notebook's own choice.
+    """
+    if os.environ.get(DEVICES_ENV):
+        return _count_from(DEVICES_ENV, os.environ[DEVICES_ENV]), f"from {DEVICES_ENV}"
+    if os.environ.get(JAX_COUNT_ENV):
+        return _count_from(JAX_COUNT_ENV, os.environ[JAX_COUNT_ENV]), f"from {JAX_COUNT_ENV}"
+    flags = re.findall(rf"{DEVICE_COUNT_FLAG}=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    if flags:  # XLA takes the last one
+        return _count_from(f"XLA_FLAGS {DEVICE_COUNT_FLAG}", flags[-1]), "from XLA_FLAGS"
+    return default, f"the notebook's default; set {DEVICES_ENV} to change it"
+
+
 def setup(n_cpu_devices: int = 8, *, simulate_on_accelerator: bool = False) -> int:
     """The notebooks' setup call: on CPU, simulate devices; on TPU/GPU, use them.
 
-    Returns the number of CPU devices it asked for (0 when an accelerator is used).
-    `simulate_on_accelerator=True` simulates CPU devices even where a TPU or GPU is
-    present (Colab's single chip), for the lessons' multi-device parts. The environment
-    variable TUNIX_NB_DEVICES overrides `n_cpu_devices` and forces CPU simulation,
-    e.g. TUNIX_NB_DEVICES=1 for the single-device path.
+    Returns the number of CPU devices simulated (0 when an accelerator is used), and
+    prints that number and its source. The count is TUNIX_NB_DEVICES if set, else a
+    count already in JAX_NUM_CPU_DEVICES or XLA_FLAGS, else `n_cpu_devices`.
+    TUNIX_NB_DEVICES also forces CPU simulation where an accelerator is present, as does
+    `simulate_on_accelerator=True` (Colab's single chip, for the multi-device parts).
     """
-    if simulate_on_accelerator:
-        simulate_cpu_devices(n_cpu_devices)
-        return n_cpu_devices
-    override = os.environ.get(DEVICES_ENV)
-    if override:
-        try:
-            n = int(override)
-        except ValueError:
-            raise ValueError(f"{DEVICES_ENV}={override!r} is not an integer; set it to e.g. 1 or 8.")
-        simulate_cpu_devices(n)
-        return n
-    if accelerator_hint() is not None:
+    n, source = requested_cpu_devices(n_cpu_devices)
+    forced = simulate_on_accelerator or bool(os.environ.get(DEVICES_ENV))
+    if not forced and accelerator_hint() is not None:
         return 0
-    simulate_cpu_devices(n_cpu_devices)
-    return n_cpu_devices
+    simulate_cpu_devices(n)
+    print(f"Simulating {n} CPU device{'s' if n != 1 else ''} ({source})")
+    return n
 
 
 def describe() -> str:
@@ -125,6 +148,25 @@ def describe() -> str:
     return (
         f"backend={jax.default_backend()} devices={len(devs)} kind={','.join(kinds)} "
         f"processes={jax.process_count()} jax={jax.__version__}"
+    )
+
+
+def check_backend() -> None:
+    """Warn if the runtime has a TPU or GPU but JAX runs on CPU.
+
+    On Colab this can follow the setup cell's install of JAX's TPU/GPU build, which a
+    running runtime may not pick up until it restarts.
+    """
+    import jax
+
+    hint = accelerator_hint()
+    if hint is None or jax.default_backend() != "cpu":
+        return
+    warnings.warn(
+        f"This runtime has a {hint.upper()}, but JAX is running on CPU. On Colab: restart the runtime "
+        "(Runtime > Restart session) and run this cell again. Elsewhere: install JAX's "
+        f"{hint.upper()} build, pip install 'jax[{JAX_EXTRAS[hint]}]=={jax.__version__}', then restart the kernel.",
+        stacklevel=2,
     )
 
 

@@ -161,8 +161,8 @@ def generalized_jsd_per_example(
 ):
     """Generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024), ONE example.
 
-    Follows TRL's `GKDTrainer.generalized_jsd_loss`. With p_t, p_s the teacher and
-    student distributions at temperature T and m = beta * p_t + (1 - beta) * p_s:
+    With p_t, p_s the teacher and student distributions at temperature T and
+    m = beta * p_t + (1 - beta) * p_s, per position:
 
         0 < beta < 1:  beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)
         beta == 0:     KL(p_t || p_s)   forward KL (= the soft term of kl_distillation)
@@ -172,6 +172,18 @@ def generalized_jsd_per_example(
     mixture formula itself tends to 0 (about beta * KL(p_t || p_s) near 0), so the loss
     jumps at beta = 0 and 1. `beta` must be a Python float (it picks a branch at trace
     time). `targets` is only shape-checked.
+
+    The divergence per position (beta's meaning, the endpoints) is that of TRL's
+    `GKDTrainer.generalized_jsd_loss`; the value differs in two ways:
+    - scale: the kit multiplies by T^2, as its other distillation losses do, and
+      defaults to T = 2; TRL divides the logits by T without a T^2 factor and
+      defaults to T = 1, which `GKDTrainer` keeps (its config's temperature is for
+      sampling). At T = 1 the two agree.
+    - reduction: the kit takes the mean over this example's masked positions (a batch
+      is a `jax.vmap` and a mean over examples); TRL's "batchmean" (and its
+      `num_items_in_batch`) divides the sum over all masked positions of the batch by
+      their count: a token mean over the batch, where long completions weigh more.
+      They agree for one example, or when every example has as many masked positions.
     """
     _check_distill_shapes(student_logits, teacher_logits, targets, mask, batched=False)
     _check_positive("temperature", temperature)

@@ -8,6 +8,8 @@ arguments' values in `tunix_nb.bench`.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import jax
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_nb import bench, data, model, parallel, train
+from tunix_nb import bench, data, model, parallel, sft, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 RESULTS = Path(__file__).resolve().parent.parent.parent / "results" / "bench.json"
@@ -48,7 +50,7 @@ def _seconds(cfg, batch: int, seq_len: int, repeats: int, part: str) -> float:
     tokens = rng.integers(3, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
     b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
          "attention_mask": np.ones((batch, seq_len), np.int32)}
-    objective = train.sft_objective(graphdef, compute_dtype=None)
+    objective = sft.objective(graphdef, compute_dtype=None)
     if part == "forward":
         forward = jax.jit(lambda p: objective(p, b)[0])
         return bench.median_seconds(lambda: forward(params), repeats=repeats)
@@ -83,33 +85,55 @@ def mfu_by_width(widths=(64, 256), *, part: str = "step", n_layers: int = 4, bat
     return out
 
 
+def allreduce_bytes(compiled_text: str) -> int:
+    """Bytes one call of a compiled program all-reduces: the sizes of its all-reduce results, from the HLO text."""
+    itemsize = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+    total = 0
+    for types in re.findall(r"= (.+?) all-reduce(?:-start)?\(", compiled_text):
+        for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", types):
+            total += itemsize[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
 def allreduce_share_by_global_batch(global_batches=(16, 128), *, preset: str = "tiny", repeats: int = 5,
                                     results_path=RESULTS) -> dict:
     """Lesson 07, exercise 3: the all-reduce's share of the pmap SFT step, per global batch.
 
     As `bench.bench_dp`: the pmap step with and without its psum on all n devices, at
     each global batch B in `global_batches` (rows [B, 24], B / n per device); the share
-    is (with - without) / with, clipped at 0. Returns {"measured": {B: share},
-    "committed": {B: share}} with the committed figures from results/bench.json
-    (`global_batches=()` reads only those).
+    is (with - without) / with, clipped at 0. Why it falls, read from the compiled
+    program rather than the clock: "allreduce_bytes" (what one step all-reduces: the
+    gradient, the loss sum and the token count) is the same at every B, while
+    "step_flops" (XLA's count for one device's program) grows with B.
+    "gradient_bytes" is 4 x the parameter count.
+
+    Returns {"measured": {B: share}, "allreduce_bytes": {B: bytes}, "step_flops": {B:
+    flops}, "gradient_bytes", "devices", "committed": {B: share}}, the last from
+    results/bench.json (the figures of the benchmark run).
     """
     n = jax.local_device_count()
-    measured = {}
+    out = {"measured": {}, "allreduce_bytes": {}, "step_flops": {}, "devices": n}
     if global_batches:
         rows = data.sft_arrays(data.load_sft()[: max(global_batches)], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
         graphdef, params = model.split(model.make_model(preset, seed=0))
+        out["gradient_bytes"] = 4 * sum(x.size for x in jax.tree.leaves(params))
         opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
-        objective = train.sft_objective(graphdef)
+        objective = sft.objective(graphdef)
         state = parallel.replicate((params, opt.init(params)), n)
         with_ar = train.make_step(objective, opt, parallel_mode="pmap")
         without_ar = train.make_step(objective, opt, parallel_mode="pmap", all_reduce=False)
         for global_batch in global_batches:
             b = parallel.shard_batch(data.batch_at(rows, 0, global_batch, seed=0), n)
-            t_with = bench.median_seconds(lambda: with_ar(*state, b), repeats=repeats)
+            compiled = with_ar.lower(*state, b).compile()
+            out["allreduce_bytes"][global_batch] = allreduce_bytes(compiled.as_text())
+            analysis = compiled.cost_analysis()
+            analysis = analysis[0] if isinstance(analysis, list) else analysis
+            out["step_flops"][global_batch] = float(analysis["flops"])
+            t_with = bench.median_seconds(lambda: compiled(*state, b), repeats=repeats)
             t_without = bench.median_seconds(lambda: without_ar(*state, b), repeats=repeats)
-            measured[global_batch] = max(t_with - t_without, 0.0) / t_with
-    committed = {}
+            out["measured"][global_batch] = max(t_with - t_without, 0.0) / t_with
+    out["committed"] = {}
     if Path(results_path).exists():
         figure = json.loads(Path(results_path).read_text())["figures"]["allreduce_share"]
-        committed = {int(b): v["share"] for b, v in figure["share_by_global_batch"].items()}
-    return {"measured": measured, "committed": committed, "devices": n}
+        out["committed"] = {int(b): v["share"] for b, v in figure["share_by_global_batch"].items()}
+    return out

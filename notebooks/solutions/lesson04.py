@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_nb import data, evaluate, losses, train
-from tunix_nb.solutions.lesson02 import load_model
+from tunix_nb import data, dpo, evaluate, losses, train
+from solutions.lesson02 import load_model
 from tunix_nb.tokenizer import ByteTokenizer
 
 # ------------------------------------------------------------------ the loss, per pair
@@ -71,8 +71,8 @@ def cached_pairs():
 
 
 def reference_log_probs(graphdef, params, rows, chunk: int = 200):
-    """`train.reference_log_probs`, in chunks of `chunk` pairs scored by the same compiled
-    `train.pair_log_probs` that scores the policies later (one program for all)."""
+    """`dpo.reference_log_probs`, in chunks of `chunk` pairs scored by the same compiled
+    `dpo.pair_log_probs` that scores the policies later (one program for all)."""
     score = _scorer(graphdef)
     n = len(rows["chosen_inputs"])
     chosen, rejected = [], []
@@ -90,11 +90,11 @@ def dpo_family_objective(graphdef):
     knobs (traced, so one compiled step serves every setting): "beta", and the weights
     "sigmoid", "hinge" and "ipo" of `losses.dpo_loss` with that loss_type. Sigmoid and
     hinge see summed log-probs; IPO sees them divided by the answer lengths, as
-    `train.dpo_objective(..., loss_type="ipo", length_normalize=True)` feeds it.
+    `dpo.objective(..., loss_type="ipo", length_normalize=True)` feeds it.
     """
 
     def objective(params, batch, knobs):
-        pi_c, pi_r = train.pair_log_probs(graphdef, params, batch)
+        pi_c, pi_r = dpo.pair_log_probs(graphdef, params, batch)
         ref_c, ref_r = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         n_c, n_r = (jnp.maximum(batch[f"{side}_loss_mask"].sum(-1), 1.0) for side in ("chosen", "rejected"))
         beta = knobs["beta"]
@@ -118,7 +118,7 @@ def _dpo_step(steps: int):
 
 @functools.lru_cache(maxsize=2)
 def _scorer(graphdef):
-    return jax.jit(functools.partial(train.pair_log_probs, graphdef))
+    return jax.jit(functools.partial(dpo.pair_log_probs, graphdef))
 
 
 def dpo_run(*, beta: float, loss_type: str = "sigmoid", steps: int = 10, batch_size: int = 32,

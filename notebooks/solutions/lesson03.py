@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tunix_nb import data, model, parallel, train
+from tunix_nb import data, model, parallel, sft, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 
@@ -60,20 +60,20 @@ def _optimizer():
 def sft_step(preset: str, objective: str, parallel_mode: str = "jit"):
     """(initial params, optimizer, step) for one of the objectives below, built once per process.
 
-    "float32"/"bfloat16": `train.sft_objective` computing in that dtype; "mean_per_device":
+    "float32"/"bfloat16": `sft.objective` computing in that dtype; "mean_per_device":
     the lesson's trap, each device's own token mean with weight 1. The optimizer is the
     lesson's `run_10_steps` one. Built once, a step compiles once per batch shape, and
     lessons 05 and 06 reuse it.
     """
     graphdef, params0 = model.split(model.make_model(preset, seed=0))
     dtype = jnp.bfloat16 if objective == "bfloat16" else jnp.float32
-    sft = train.sft_objective(graphdef, compute_dtype=dtype)
+    sft_objective = sft.objective(graphdef, compute_dtype=dtype)
 
     def mean_per_device(params, batch, frozen=None):
-        nll_sum, count, _ = sft(params, batch)
+        nll_sum, count, _ = sft_objective(params, batch)
         return nll_sum / count, jnp.float32(1.0), {}  # each device's own mean, weight 1
 
-    fn = {"float32": sft, "bfloat16": sft, "mean_per_device": mean_per_device}[objective]
+    fn = {"float32": sft_objective, "bfloat16": sft_objective, "mean_per_device": mean_per_device}[objective]
     opt = _optimizer()
     return params0, opt, train.make_step(fn, opt, parallel_mode=parallel_mode)
 
@@ -138,12 +138,13 @@ def global_token_count_metric() -> dict[str, float]:
 
 
 def bfloat16_against_float32(steps: int = 10, preset: str = "tiny") -> dict:
-    """Lesson 03, exercise 3: `sft_objective(graphdef, compute_dtype=jnp.bfloat16)` against float32.
+    """Lesson 03, exercise 3: `sft.objective(graphdef, compute_dtype=jnp.bfloat16)` against float32.
 
     The same `steps` single-device steps on the lesson's uneven batches [32, 24], once
-    computing in bfloat16 and once in float32. Returns "loss_bfloat16" and
-    "loss_float32" (lists of `steps`), "max_rel_loss_diff" over the steps, and the dtypes of the parameters
-    after the bfloat16 run, "param_dtypes" (a set of names).
+    computing in bfloat16 and once in float32 (the lesson's `run_10_steps` optimizer).
+    Returns "loss_bfloat16" and "loss_float32" (each step's loss, lists of `steps`),
+    "max_rel_loss_diff", the largest over the steps of |bfloat16 - float32| / |float32|,
+    and the dtypes of the parameters after the bfloat16 run, "param_dtypes" (a set of names).
     """
     out = {}
     for name in ("bfloat16", "float32"):

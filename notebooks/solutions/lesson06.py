@@ -19,18 +19,15 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tunix_nb import losses, model, parallel, train
-from tunix_nb.solutions import lesson03
-from tunix_nb.solutions.lesson03 import uneven_batch
+from tunix_nb import compare, losses, model, parallel, sft, train
+from solutions import lesson03
+from solutions.lesson03 import uneven_batch
 
 
 def _optimizer():
     return train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
 
 
-def _max_diff(a, b) -> float:  # in NumPy: no small programs to compile
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in pairs)
 
 
 # ------------------------------------------------------------------------- exercise 1
@@ -73,7 +70,7 @@ def check_vma_step(steps: int = 3, preset: str = "tiny") -> dict[str, float]:
     ref_params, _, history = lesson03.train_sft(preset, "float32", "jit", lambda s: uneven_batch(s, n), steps)
     # the jit step's grad_norm is that of the token-mean gradient: times the tokens, the NLL sum's
     true = history[0]["grad_norm"] * float(uneven_batch(0, n)["loss_mask"].sum())
-    return {"vma_step_vs_jit": _max_diff(params, ref_params), "grad_ratio": first_norms[0] / true,
+    return {"vma_step_vs_jit": compare.max_abs_diff(params, ref_params), "grad_ratio": first_norms[0] / true,
             "grad_ratio_with_psum": first_norms[1] / true, "devices": n}
 
 
@@ -92,7 +89,7 @@ def mesh_step(preset: str, mode: str):
     """(initial params, optimizer, `train.make_step` for `mode` on all devices), built once per process."""
     graphdef, params0 = model.split(model.make_model(preset, seed=0))
     optimizer = _optimizer()
-    objective = train.sft_objective(graphdef, compute_dtype=jnp.float32)
+    objective = sft.objective(graphdef, compute_dtype=jnp.float32)
     return params0, optimizer, train.make_step(objective, optimizer, parallel_mode=mode, mesh=parallel.make_mesh())
 
 
@@ -119,7 +116,7 @@ def padded_batch_keeps_the_sft_loss(rows: int = 12, preset: str = "tiny") -> dic
         out["refused"] = str(err)
     padded = pad_to_device_multiple(batch, n)
     # one device, the 12 rows: the token-mean loss and its gradient's norm
-    objective = train.sft_objective(graphdef, compute_dtype=jnp.float32)
+    objective = sft.objective(graphdef, compute_dtype=jnp.float32)
 
     @jax.jit
     def loss_and_grad_norm(params, batch):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_nb import checkpoint, data, evaluate, losses, model, train
+from tunix_nb import checkpoint, data, distill, evaluate, losses, model, sft, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 
@@ -125,7 +125,7 @@ def _trained(preset, steps, batch_size, temperature, alpha, reverse):
 
 
 def _eval_loss_and_entropy(graphdef, params, rows) -> tuple[float, float]:
-    """(token-mean NLL of the answers, as `evaluate.eval_loss`; mean entropy in nats of the
+    """(token-mean NLL of the answers, as `sft.eval_loss`; mean entropy in nats of the
     model's next-token distribution at the answer tokens), over rows [N, L]."""
     arrays = {k: rows[k] for k in ("inputs", "targets", "loss_mask", "attention_mask")}
     loss, entropy = _loss_and_entropy(graphdef, params, arrays)
@@ -157,16 +157,16 @@ def alpha_endpoints(steps: int = 30, preset: str = "tiny", batch_size: int = 32)
     At the student's initial parameters, on a batch [batch_size, 24] of the transfer set
     whose answers have different lengths ("uneven") and on one whose answers all have the
     same length ("equal"): "alpha0_*" is the lesson's loss with alpha=0
-    (`train.distill_objective`: token mean per example, then the mean over examples) and
-    "sft_*" lesson 03's (`train.sft_objective`: token mean over the batch). Then a student
+    (`distill.objective`: token mean per example, then the mean over examples) and
+    "sft_*" lesson 03's (`sft.objective`: token mean over the batch). Then a student
     trained `steps` steps on soft labels only (alpha=1, T=2): its eval loss on the 200
     eval prompts before ("alpha1_eval_before") and after ("alpha1_eval_after").
     """
     teacher_graphdef, _, transfer_rows, _, eval_rows = lesson_setup()
     graphdef, params0, _, _ = _student_step(preset, steps)
-    hard_only = train.distill_objective(graphdef, teacher_graphdef, alpha=0.0)  # never runs the teacher
-    sft = train.sft_objective(graphdef)
-    both = jax.jit(lambda p, b: (hard_only(p, b, None)[:2], sft(p, b)[:2]))
+    hard_only = distill.objective(graphdef, teacher_graphdef, alpha=0.0)  # never runs the teacher
+    sft_objective = sft.objective(graphdef)
+    both = jax.jit(lambda p, b: (hard_only(p, b, None)[:2], sft_objective(p, b)[:2]))
     out = {}
     for name, batch in (("uneven", data.batch_at(transfer_rows, 0, batch_size, seed=0)),
                         ("equal", _rows_of_one_length(transfer_rows, batch_size))):

@@ -4,7 +4,7 @@ Every function writes under a `workdir` it is given (a temporary directory in th
 tests). The kill-and-resume drills of the lesson itself, and the damaged-checkpoint
 cases, are tested at full length in tests/test_cli.py and tests/test_checkpoint.py;
 these functions answer the exercises with shorter runs of the same tools
-(`cli.preempt`, the CLI's `main`, `checkpoint.save`/`restore`).
+(`preempt.run_and_kill`, the CLI's `main`, `checkpoint.save`/`restore`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunix_nb import checkpoint, cli, data, model, train
-from tunix_nb.solutions import lesson03
+from tunix_nb import checkpoint, cli, compare, data, model, preempt, train
+from solutions import lesson03
 from tunix_nb.tokenizer import ByteTokenizer
 
 
-def _bit_identical(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) > 0 and all(
-        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y) for x, y in zip(la, lb))
 
 
 def _steps_on_disk(run: Path) -> list[str]:
@@ -61,14 +57,14 @@ def _argv(workdir: Path, steps: int, save_every: int) -> list[str]:
 def kill_during_first_save(workdir, *, steps: int = 40, save_every: int = 20, timeout: float = 120.0) -> dict:
     """The first half of exercise 1: the CLI in a child process, SIGKILLed during its first save.
 
-    Returns `cli.preempt`'s report plus "committed_at_kill" (the checkpoints on disk then)
+    Returns `preempt.run_and_kill`'s report plus "committed_at_kill" (the checkpoints on disk then)
     and "metrics" (the lines the killed run had logged; a line cut by the kill is dropped).
     """
     workdir = Path(workdir)
     argv = _argv(workdir, steps, save_every)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI on one CPU device
     env["JAX_PLATFORMS"] = "cpu"
-    killed = cli.preempt(argv, ckpt_dir=workdir / "preempted", metrics_file=workdir / "preempted.jsonl",
+    killed = preempt.run_and_kill(argv, ckpt_dir=workdir / "preempted", metrics_file=workdir / "preempted.jsonl",
                          when="during_save", after_step=0, timeout=timeout, env=env)
     if not killed["killed"]:
         raise RuntimeError(f"the run finished before it could be killed during a save: {killed}")
@@ -94,13 +90,13 @@ def restart_after_kill(workdir, killed: dict, *, uninterrupted: bool = False) ->
     restart = _cli_here(argv)
     run, logged = workdir / "preempted", killed["metrics"]
     out = {"in_flight": killed["in_flight"], "committed_at_kill": killed["committed_at_kill"],
-           "resumed": "Resuming" in restart, "left_over": [n for n in _steps_on_disk(run) if cli.TMP_SUFFIX in n],
+           "resumed": "Resuming" in restart, "left_over": [n for n in _steps_on_disk(run) if preempt.TMP_SUFFIX in n],
            "killed_steps": len(logged),
            "same_losses": logged == _metrics_lines(workdir / "preempted.jsonl")[:len(logged)]}
     if uninterrupted:
         reference = workdir / "uninterrupted"
         _cli_here([*argv[:9], "--ckpt-dir", str(reference)])
-        out["bit_identical"] = _bit_identical(checkpoint.load_params(run), checkpoint.load_params(reference))
+        out["bit_identical"] = compare.bitwise_equal(checkpoint.load_params(run), checkpoint.load_params(reference))
     return out
 
 
@@ -109,7 +105,7 @@ def killed_during_first_save(workdir, *, steps: int = 40, save_every: int = 20, 
     """Lesson 05, exercise 1: SIGKILL the CLI during its first save, restart it, compare.
 
     The lesson's tiny SFT run (batches [16, 24]), `steps` steps with a save every
-    `save_every`: killed in a child process by `cli.preempt(when="during_save",
+    `save_every`: killed in a child process by `preempt.run_and_kill(when="during_save",
     after_step=0)` (`kill_during_first_save`), then run again to the end in this process
     (`restart_after_kill`, which says what is returned).
     """
@@ -161,7 +157,7 @@ def flipped_byte_caught_by_checksum(workdir) -> dict:
     try:
         raw = reader.restore(4, args=ocp.args.Composite(params=ocp.args.StandardRestore(saved)))["params"]
         out["orbax_read_ok"] = True
-        out["orbax_values_changed"] = not _bit_identical(raw, saved)
+        out["orbax_values_changed"] = not compare.bitwise_equal(raw, saved)
     except Exception as err:  # noqa: BLE001  (reported, not raised: the exercise asks whether Orbax notices)
         out["orbax_error"] = f"{type(err).__name__}: {err}"[:300]
     with warnings.catch_warnings(record=True) as caught:

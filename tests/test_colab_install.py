@@ -1,0 +1,145 @@
+"""The setup cell's Colab path: what it installs on each runtime, and that the install works.
+
+Colab runs notebooks from /content, with the kit cloned to /content/tunix-notebooks, so
+nothing here may depend on the working directory being the repository root.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tunix_nb import colab, devices
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = ROOT / "requirements-lessons.txt"
+JAX_PIN = colab.pinned_version(LESSONS, "jax")
+HINT_ENV = ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU")
+
+
+def fake_runtime(monkeypatch, **env):
+    """Make accelerator_hint see only `env` (no device files, no JAX_PLATFORMS from conftest)."""
+    for key in HINT_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(devices.os.path, "exists", lambda p: False)
+
+
+@pytest.mark.parametrize("env, jax_build", [
+    ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, [f"jax[tpu]=={JAX_PIN}"]),
+    ({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, [f"jax[tpu]=={JAX_PIN}"]),
+    ({"COLAB_GPU": "1"}, [f"jax[cuda12]=={JAX_PIN}"]),
+    ({}, []),
+], ids=["colab-tpu", "tpu-vm", "colab-gpu", "cpu"])
+def test_pip_args_per_runtime(monkeypatch, env, jax_build):
+    """The lessons' pins, JAX's build for the chip at the pinned version, the kit (editable)."""
+    fake_runtime(monkeypatch, **env)
+    assert shlex.split(colab.pip_args(ROOT)) == ["-r", str(LESSONS), *jax_build, "-e", str(ROOT)]
+
+
+def test_pip_args_are_absolute_whatever_the_working_directory(monkeypatch):
+    monkeypatch.chdir(ROOT.parent)
+    assert shlex.split(colab.pip_args(ROOT.name, None)) == ["-r", str(LESSONS), "-e", str(ROOT)]
+
+
+def test_jax_and_jaxlib_pins_agree():
+    """jax[tpu]/jax[cuda12]==JAX_PIN require jaxlib at the same version as jax."""
+    assert JAX_PIN == colab.pinned_version(LESSONS, "jaxlib")
+
+
+def test_pip_args_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"accelerator='npu': use one of \['gpu', 'tpu'\], None \(CPU\) or 'auto'"):
+        colab.pip_args(ROOT, "npu")
+    (tmp_path / "requirements-lessons.txt").write_text("flax==0.12.8\n")
+    with pytest.raises(ValueError, match="pins no jax==VERSION; add one"):
+        colab.pip_args(tmp_path, "gpu")
+
+
+def test_colab_module_needs_only_the_standard_library():
+    """On Colab it runs before the kit's stack is installed, so it must not import it."""
+    code = (f"import sys; from tunix_nb import colab; colab.pip_args({str(ROOT)!r}); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'numpy', 'flax', 'optax', 'orbax'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def run_setup_cell_as_on_colab(tmp_path, **env) -> subprocess.CompletedProcess:
+    """The setup cell, run by IPython in a fresh process that looks like Colab.
+
+    google.colab is faked, the clone path points at this checkout, and `!` commands and
+    `%pip` are recorded (after IPython expands their {expressions}) instead of run.
+    """
+    script = tmp_path / "colab_cell.py"
+    script.write_text(f"""
+import json, sys, types
+sys.modules["google.colab"] = types.ModuleType("google.colab")
+sys.modules["google.colab"].output = types.ModuleType("google.colab.output")  # jax's debugger imports it
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+calls = []
+shell.system = lambda cmd: calls.append(["!", shell.var_expand(cmd)])
+shell.register_magic_function(lambda line: calls.append(["%pip", line]), "line", "pip")
+from tunix_nb import colab
+result = shell.run_cell(colab.SETUP_CELL.replace(colab.CLONE, {str(ROOT)!r}))
+print("CALLS", json.dumps(calls))
+sys.exit(0 if result.success else 1)
+""")
+    keep = {k: v for k, v in os.environ.items() if k not in (*HINT_ENV, "XLA_FLAGS", devices.DEVICES_ENV)}
+    return subprocess.run([sys.executable, str(script)], env={**keep, **env}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+
+
+def recorded_calls(out: subprocess.CompletedProcess) -> list:
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("CALLS "))
+    return json.loads(line[len("CALLS "):])
+
+
+def test_setup_cell_on_colab_cpu_installs_lessons_and_simulates(tmp_path):
+    out = run_setup_cell_as_on_colab(tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert recorded_calls(out)[1] == ["%pip", f"install -q {colab.pip_args(ROOT, None)}"]
+    assert "Simulating 8 CPU devices (the notebook's default" in out.stdout
+    assert "backend=cpu devices=8 " in out.stdout
+    assert "JAX is running on CPU" not in out.stderr
+
+
+def test_setup_cell_on_colab_tpu_installs_jax_tpu_and_warns_when_it_is_not_used(tmp_path):
+    """Here there is no TPU behind the fake hint, so JAX ends on CPU: the case after Colab
+    replaced JAX without a restart. The cell must say so and name the fix."""
+    out = run_setup_cell_as_on_colab(tmp_path, COLAB_TPU_ADDR="10.0.0.2:8470")
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = recorded_calls(out)
+    assert calls[0][0] == "!" and f"git clone -q --depth 1 {colab.REPO_URL} {ROOT}" in calls[0][1]
+    assert calls[1] == ["%pip", f"install -q {colab.pip_args(ROOT, 'tpu')}"]
+    assert f"jax[tpu]=={JAX_PIN}" in calls[1][1]
+    assert "Simulating" not in out.stdout and "backend=cpu devices=1 " in out.stdout
+    assert "This runtime has a TPU, but JAX is running on CPU" in out.stderr
+    assert "restart the runtime (Runtime > Restart session) and run this cell again" in out.stderr
+
+
+def test_lessons_install_into_a_fresh_venv_from_another_directory(tmp_path):
+    """The real install: exactly the setup cell's pip arguments on a CPU runtime, run from
+    a working directory that is not the clone, into an empty virtual environment."""
+    venv, cwd, elsewhere = tmp_path / "venv", tmp_path / "content", tmp_path / "elsewhere"
+    cwd.mkdir(), elsewhere.mkdir()
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    install = subprocess.run([python, "-m", "pip", "install", "-q", *shlex.split(colab.pip_args(ROOT, None))],
+                             cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    check = subprocess.run(
+        [python, "-c", "import tunix_nb, jax, flax, optax, orbax.checkpoint, matplotlib, ipywidgets, tqdm; "
+                       "from tunix_nb import devices; print(tunix_nb.__file__, jax.__version__)"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.split() == [str(ROOT / "tunix_nb" / "__init__.py"), JAX_PIN]
+    print(f"fresh venv + lessons install + imports: {time.perf_counter() - start:.0f} s")

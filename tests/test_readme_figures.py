@@ -1,0 +1,355 @@
+"""Every figure the README quotes is the one its source stored: a notebook's output or results/bench.json.
+
+`FIGURES` is the registry: one entry per number the README prints, saying where in the
+README it stands and where it was measured. When the notebooks are re-executed or the
+benchmark is rerun, timing figures change and a test here fails with the figure, the
+README's value, the stored value at the README's precision, and where it is stored:
+copy the stored value into the README. A number added to one of the README's tables
+must be registered here (`test_every_number_in_the_readme_tables_is_registered`).
+
+How an entry reads:
+- `readme`: the README text around the number, literally (line breaks and indentation
+  count as one space), with `{}` where the figure stands, `{n}` for any other number and
+  `{...}` for any text within a table cell. It must occur exactly once.
+- `source`: a notebook in notebooks/ or "bench.json". `where`, for a notebook, is a
+  regular expression over one code cell's stored output (text and text/plain), with
+  `{}` for each number it reads and `{n}` for a number it skips, matching exactly one
+  cell; or `WALL`, the cells' wall time from the execution timestamps the notebook
+  keeps. For bench.json, `where` is a key path ("figures.x.value"), or several.
+- `combine` makes several numbers one ("max", "ratio" a/b, "difference" a-b), and
+  `scale` converts the stored unit to the README's (1e3: seconds to ms, 100: to %).
+The README's value must equal the stored one rounded to as many decimals as the README
+prints (for 2.4e-7: the mantissa's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+BENCH = "bench.json"
+WALL = "cells' wall time"
+NUMBER = r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    readme: str
+    source: str
+    where: str | tuple[str, ...]
+    combine: str = "one"
+    scale: float = 1.0
+
+
+def nb(name, readme, notebook, where, **kw):
+    return Figure(name, readme, notebook, where, **kw)
+
+
+def bench(name, readme, *keys, **kw):
+    return Figure(name, readme, BENCH, keys, **kw)
+
+
+N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
+N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", "07_benchmarks"
+F = "figures."
+
+FIGURES = [
+    # ------------------------------------------------------------ Learning path: the cells' time
+    *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
+      for n in (N00, N01, N02, N03, N04, N05, N06, N07)],
+    # ------------------------------------------------------------ Results the lessons measure
+    nb("01 loop / vmap, B = 64", "Python loop of jit'd calls / `vmap`, B = 64 | {}x |",
+       N01, r"B= 64\s+loop.*loop/vmap\s+{}x"),
+    nb("01 vmap / hand-batched, B = 64", "| `vmap` / hand-batched, B = 64 | {} |",
+       N01, r"B= 64\s+loop\s+{n} ms\s+vmap\s+{} ms\s+hand-batched\s+{} ms", combine="ratio"),
+    nb("02 teacher's parameters (results table)", "| 02 | teacher ({}k params)",
+       N00, r"teacher\s+layers=\d+ d_model=\d+ params={}", scale=1e-3),
+    nb("02 teacher eval exact match", "eval exact match / eval loss | {}% / {n} |",
+       N02, r"teacher on the 200 eval prompts: exact match {}%"),
+    nb("02 teacher eval loss", "eval exact match / eval loss | {n}% / {} |",
+       N02, r"teacher on the 200 eval prompts: exact match {n}%, eval loss {}"),
+    nb("02 distilled student eval loss", "eval loss | {} vs {n} |", N02, r"distilled\s+eval loss {}"),
+    nb("02 hard-label student eval loss", "eval loss | {n} vs {} |", N02, r"hard labels\s+eval loss {}"),
+    nb("02 distilled student exact match", "| same, eval exact match | {}% vs {n}% |",
+       N02, r"distilled\s+eval loss {n}\s+exact match {}%"),
+    nb("02 hard-label student exact match", "| same, eval exact match | {n}% vs {}% |",
+       N02, r"hard labels\s+eval loss {n}\s+exact match {}%"),
+    nb("03 pmap vs jit after 10 steps", "| 03 | pmap on 8 devices vs jit on 1, largest parameter difference "
+       "after 10 steps | {} |", N03, r"8 devices vs 1: largest parameter difference after 10 steps = {}"),
+    nb("03 per-device-mean trap", "| 03 | the per-device-mean trap, same comparison | {} |",
+       N03, r"per-device means: largest parameter difference = {}"),
+    nb("03 exact match after 400 SFT steps", "| 03 | student after 400 SFT steps, eval exact match | {}% |",
+       N03, r"step 400: loss {n}, eval exact match {}%"),
+    nb("04 DPO pmap vs jit after 10 steps", "| 04 | DPO, pmap vs jit, largest parameter difference after 10 "
+       "steps | {} |", N04, r"8 devices vs 1: largest parameter difference after 10 steps = {}"),
+    nb("04 recomputed / cached reference", "(ceiling about 4/3) | {}x |",
+       N04, r"recomputing the reference / cached: {}x"),
+    nb("04 held-out reward accuracy", "| 04 | held-out reward accuracy after 200 DPO steps | {}% |",
+       N04, r"held-out pairs: loss {n}, reward accuracy {}%"),
+    nb("04 exact match, SFT", "SFT term (RPO) | {}% → {n}% → {n}% |",
+       N04, r"exact match SFT {}% -> DPO {n}% -> DPO\+SFT"),
+    nb("04 exact match, DPO", "SFT term (RPO) | {n}% → {}% → {n}% |",
+       N04, r"exact match SFT {n}% -> DPO {}% -> DPO\+SFT"),
+    nb("04 exact match, DPO + SFT term", "SFT term (RPO) | {n}% → {n}% → {}% |",
+       N04, r"exact match SFT {n}% -> DPO {n}% -> DPO\+SFT {}%"),
+    nb("05 teacher's parameters (results table)", "and AdamW state: {}k params, {n} MB)",
+       N00, r"teacher\s+layers=\d+ d_model=\d+ params={}", scale=1e-3),
+    nb("05 teacher's state in MB", "and AdamW state: {n}k params, {} MB)", N05, r"state: {} MB"),
+    nb("05 sync / async blocking per save", "10.6 MB) | {}x |", N05, r"sync / async = {}x"),
+    nb("05 8 -> 4 -> 1 devices vs 1 device", "after 240 steps | {} |",
+       N05, r"8->4->1 devices {n}, 1 device throughout {n}; largest parameter difference {}"),
+    nb("06 strategies vs jit, SFT", "(SFT; DPO) | ≤ {}; ≤ {n} |",
+       N06, r"SFT: shard_map {}\s+dp {}\s+fsdp {}", combine="max"),
+    nb("06 strategies vs jit, DPO", "(SFT; DPO) | ≤ {n}; ≤ {} |",
+       N06, r"DPO: shard_map {}\s+dp {}\s+fsdp {}", combine="max"),
+    nb("06 FSDP / DP bytes per device", "8 devices, teacher | {} |", N06, r"teacher\s+{n}\s+{n}\s+{n}\s+{}"),
+    nb("06 2x4 vs 1x8 (results table)", "after 10 FSDP steps | {} |",
+       N06, r"2 processes x 4 devices vs 1 process x 8 devices: {}"),
+    # ------------------------------------------------------------ the benchmark table
+    bench("repeats per figure", "medians over {} repeats", "settings.repeats"),
+    bench("vmap_speedup_over_loop", "31x at B = 256) | {}x |", F + "vmap_speedup_over_loop.value"),
+    bench("vmap_speedup_over_loop batch size", "`vmap_speedup_over_loop` (B = {};",
+          F + "vmap_speedup_over_loop.batch_size"),
+    bench("loop / vmap at B = 1", "(B = 64; {}x at B = 1",
+          F + "vmap_speedup_over_loop.curve.1.loop_over_vmap"),
+    bench("loop / vmap at B = 256", "{}x at B = 256) |", F + "vmap_speedup_over_loop.curve.256.loop_over_vmap"),
+    bench("vmap_over_batched_ratio", "| `vmap_over_batched_ratio` | {} |", F + "vmap_over_batched_ratio.value"),
+    bench("vmap_over_batched_ratio target", "| `vmap_over_batched_ratio` | {n} | ≤ {} |",
+          F + "vmap_over_batched_ratio.target"),
+    bench("train_step_mfu d_model", "`train_step_mfu` (d={},", F + "train_step_mfu.model.d_model"),
+    bench("train_step_mfu layers", "`train_step_mfu` (d={n}, {} layers", F + "train_step_mfu.model.n_layers"),
+    bench("train_step_mfu batch", "layers, {}×{n} tokens", F + "train_step_mfu.model.batch"),
+    bench("train_step_mfu sequence", "layers, {n}×{} tokens", F + "train_step_mfu.model.seq_len"),
+    bench("train_step_mfu", "tokens, float32) | {} |", F + "train_step_mfu.value"),
+    bench("train_step_mfu target", "tokens, float32) | {n} | ≥ {} |", F + "train_step_mfu.target"),
+    bench("dp_overhead", "dp on 8 devices, global batch 64) | {} |", F + "dp_overhead.value"),
+    bench("dp_overhead target", "dp on 8 devices, global batch 64) | {n} | ≤ {} |", F + "dp_overhead.target"),
+    bench("dp_overhead devices", "(worst of pmap, shard_map, dp on {} devices,", F + "dp_overhead.at_devices"),
+    bench("dp_overhead global batch", "dp on 8 devices, global batch {})", F + "dp_overhead.global_batch"),
+    bench("allreduce_share", "| `allreduce_share` (pmap, 8 devices, global batch 64) | {} |",
+          F + "allreduce_share.value"),
+    bench("allreduce_share target", "| `allreduce_share` (pmap, 8 devices, global batch 64) | {n} | ≤ {} |",
+          F + "allreduce_share.target"),
+    bench("ckpt_save_over_disk_bandwidth size", "`ckpt_save_over_disk_bandwidth` ({} MiB)",
+          F + "ckpt_save_over_disk_bandwidth.state_bytes", scale=2**-20),
+    bench("ckpt_save_over_disk_bandwidth", "`ckpt_save_over_disk_bandwidth` (128 MiB) | {} |",
+          F + "ckpt_save_over_disk_bandwidth.value"),
+    bench("ckpt_save_over_disk_bandwidth target", "`ckpt_save_over_disk_bandwidth` (128 MiB) | {n} | ≥ {} |",
+          F + "ckpt_save_over_disk_bandwidth.target"),
+    bench("async_block_share", "| `async_block_share` | {} |", F + "async_block_share.value"),
+    bench("async_block_share target", "| `async_block_share` | {n} | ≤ {} |", F + "async_block_share.target"),
+    bench("ckpt_restore_seconds size", "`ckpt_restore_seconds` ({} MiB)", F + "ckpt_restore_seconds.state_bytes",
+          scale=2**-20),
+    bench("ckpt_restore_seconds", "`ckpt_restore_seconds` (128 MiB) | {} s |", F + "ckpt_restore_seconds.value"),
+    bench("dpo_cached_ref_speedup", "| `dpo_cached_ref_speedup` | {} |", F + "dpo_cached_ref_speedup.value"),
+    bench("dpo_cached_ref_speedup target", "| `dpo_cached_ref_speedup` | {n} | ≥ {} |",
+          F + "dpo_cached_ref_speedup.target"),
+    bench("compile_share", "compile / step) | {} |", F + "compile_share.value"),
+    # ------------------------------------------------------------ the benchmark's prose
+    bench("vmap loss's sequence length", "tiny ({} × {n} logits)", F + "vmap_speedup_over_loop.seq_len"),
+    bench("vmap loss's vocabulary", "tiny ({n} × {} logits)", F + "vmap_speedup_over_loop.vocab"),
+    nb("01 loop / vmap in prose", "Lesson 01's stored run measured {}x at B = 64",
+       N01, r"B= 64\s+loop.*loop/vmap\s+{}x"),
+    nb("07 quick rerun, loop / vmap", "lesson 07's quick rerun (3 repeats) {}x.",
+       N07, r"vmap_speedup_over_loop\s+here\s+{}"),
+    bench("vmap / hand-batched in prose", "scatter around 1 ({} here,", F + "vmap_over_batched_ratio.value"),
+    nb("01 vmap / hand-batched in prose", "{} in lesson 01's run at B = 64,",
+       N01, r"B= 64\s+loop\s+{n} ms\s+vmap\s+{} ms\s+hand-batched\s+{} ms", combine="ratio"),
+    nb("07 quick rerun, vmap / hand-batched", "at B = 64, {} in lesson 07's quick rerun)",
+       N07, r"vmap_over_batched_ratio\s+here\s+{}"),
+    bench("train_step_mfu in prose", "**MFU misses ({} < {n}).**", F + "train_step_mfu.value"),
+    bench("train_step_mfu target in prose", "**MFU misses ({n} < {}).**", F + "train_step_mfu.target"),
+    bench("matmul peak size", "The peak (a {}² float32 matmul)", F + "train_step_mfu.peak_matmul_size"),
+    bench("matmul peak", "reached {} GFLOP/s", F + "train_step_mfu.matmul_peak_flops_per_second", scale=1e-9),
+    bench("forward at a share of the peak", "the forward pass at {} of that peak",
+          F + "train_step_mfu.profile.matmul_flops_share_of_forward_time_at_peak"),
+    bench("forward+backward / forward", "the forward+backward at {}x the forward",
+          F + "train_step_mfu.profile.forward_backward_seconds", F + "train_step_mfu.profile.forward_seconds",
+          combine="ratio"),
+    bench("AdamW update's share of the step", "the AdamW update at {}% of the step",
+          F + "train_step_mfu.profile.optimizer_update_seconds", F + "train_step_mfu.step_seconds",
+          combine="ratio", scale=100),
+    bench("allreduce_share in prose", "misses at global batch 64 ({}%;", F + "allreduce_share.value", scale=100),
+    nb("03 all-reduce share", "{}% in lesson 03's run,", N03, r"all-reduce share of the pmap step:\s+{}%"),
+    nb("07 quick rerun, all-reduce share", "{}% in lesson 07's quick rerun).**",
+       N07, r"allreduce_share\s+here\s+{}", scale=100),
+    bench("gradient all-reduced", "one {} MB gradient", F + "allreduce_share.gradient_bytes", scale=1e-6),
+    bench("pmap step with the all-reduce", "on top of a {} ms step", F + "allreduce_share.step_seconds",
+          scale=1e3),
+    bench("all-reduce share measured again at 64", "shows it at {}% when measured again at 64",
+          F + "allreduce_share.share_by_global_batch.64.share", scale=100),
+    bench("all-reduce share at 256", "at {}% at a global batch of 256",
+          F + "allreduce_share.share_by_global_batch.256.share", scale=100),
+    bench("pmap step at a global batch of 256", "(a {} ms step)",
+          F + "allreduce_share.share_by_global_batch.256.step_seconds", scale=1e3),
+    bench("dpo_cached_ref_speedup in prose", "`dpo_cached_ref_speedup` misses ({};",
+          F + "dpo_cached_ref_speedup.value"),
+    nb("04 recomputed / cached reference in prose", "{} in lesson 04's run,",
+       N04, r"recomputing the reference / cached: {}x"),
+    nb("07 quick rerun, recomputed / cached reference", "{} in lesson 07's\nquick rerun).**",
+       N07, r"dpo_cached_ref_speedup\s+here\s+{}"),
+    bench("DPO FLOPs, recompute / cached", "XLA counts {}x the FLOPs", F + "dpo_cached_ref_speedup.flops_ratio"),
+    bench("DPO backward / forward, time", "costs {}x the forward",
+          F + "dpo_cached_ref_speedup.backward_over_forward_seconds"),
+    bench("DPO backward / forward, FLOPs", "costs {n}x the forward ({}x in FLOPs)",
+          F + "dpo_cached_ref_speedup.backward_over_forward_flops"),
+    bench("what the reference forward adds", "adds only {} ms",
+          F + "dpo_cached_ref_speedup.recompute_seconds", F + "dpo_cached_ref_speedup.cached_seconds",
+          combine="difference", scale=1e3),
+    bench("the reference forward alone", "less than the {} ms it takes alone",
+          F + "dpo_cached_ref_speedup.profile.reference_forward_seconds", scale=1e3),
+    bench("the cached DPO step", "to a {} ms step (`profile`", F + "dpo_cached_ref_speedup.cached_seconds",
+          scale=1e3),
+    bench("predicted_from_profile", "`predicted_from_profile`, {}, is",
+          F + "dpo_cached_ref_speedup.predicted_from_profile"),
+    # ------------------------------------------------------------ elsewhere in the prose
+    nb("tiny preset's parameters", "presets `tiny` ({}k", N00, r"tiny\s+layers=\d+ d_model=\s*\d+ params={}",
+       scale=1e-3),
+    nb("student preset's parameters", "`student` ({}k)", N00, r"student\s+layers=\d+ d_model=\s*\d+ params={}",
+       scale=1e-3),
+    nb("teacher preset's parameters", "`teacher` ({}k)", N00, r"teacher\s+layers=\d+ d_model=\s*\d+ params={}",
+       scale=1e-3),
+    nb("06 2x4 vs 1x8 (multi-process prose)", "(largest parameter difference {} after 10 steps;",
+       N06, r"2 processes x 4 devices vs 1 process x 8 devices: {}"),
+]
+
+# The README's tables whose figures must all be registered: header row -> checked columns.
+# (The benchmark table's last column quotes the articles, and its first names settings.)
+TABLES = {
+    "| notebook | what it teaches | cells' time* |": ("cells' time*",),
+    "| lesson | figure | value |": ("value",),
+    "| figure | measured | target | the articles' claim |": ("measured", "target"),
+}
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def readme_pattern(template: str) -> re.Pattern:
+    """A README template as a regex: {} captures the figure; whitespace runs match any whitespace."""
+    placeholders = {"{}": f"({NUMBER})", "{n}": NUMBER, "{...}": r"[^|\n]*"}
+    parts = re.split(r"(\{\}|\{n\}|\{\.\.\.\})", template)
+    literal = lambda part: re.escape(re.sub(r"\s+", " ", part)).replace(r"\ ", r"\s+")  # noqa: E731
+    return re.compile("".join(placeholders.get(part) or literal(part) for part in parts))
+
+
+def readme_figure(fig: Figure) -> tuple[str, tuple[int, int]]:
+    """(the number as the README prints it, its span in the README)."""
+    matches = list(readme_pattern(fig.readme).finditer(README.read_text()))
+    assert len(matches) == 1, (f"{fig.name}: the README text {fig.readme!r} occurs {len(matches)} times, not once; "
+                               "edit this entry's `readme` to match the README")
+    return matches[0].group(1), matches[0].span(1)
+
+
+@cache
+def notebook(name: str) -> dict:
+    return json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+
+
+def cell_output(cell) -> str:
+    return "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                   for o in cell.get("outputs", []))
+
+
+def wall_seconds(name: str) -> tuple[float, str]:
+    code = [c for c in notebook(name)["cells"] if c["cell_type"] == "code"]
+    times = [c.get("metadata", {}).get("execution", {}) for c in (code[0], code[-1])]
+    assert "iopub.execute_input" in times[0] and "shell.execute_reply" in times[1], (
+        f"notebooks/{name}.ipynb keeps no execution timestamps: execute it with nbconvert (CONTRIBUTING.md)")
+    start, end = (datetime.fromisoformat(t[k].replace("Z", "+00:00"))
+                  for t, k in zip(times, ("iopub.execute_input", "shell.execute_reply")))
+    return (end - start).total_seconds(), f"notebooks/{name}.ipynb, execution timestamps of its {len(code)} code cells"
+
+
+def stored(fig: Figure) -> tuple[float, str]:
+    """(the stored value, in the README's unit; where it is stored)."""
+    if fig.where == WALL:
+        seconds, where = wall_seconds(fig.source)
+        return seconds * fig.scale, where
+    if fig.source == BENCH:
+        results = json.loads((ROOT / "results" / "bench.json").read_text())
+        values = []
+        for path in fig.where:
+            value = results
+            for key in path.split("."):
+                value = value[key]
+            values.append(float(value))
+        where = "results/bench.json: " + " and ".join(fig.where)
+    else:
+        pattern = re.compile(fig.where.replace("{}", f"({NUMBER})").replace("{n}", NUMBER))
+        cells = notebook(fig.source)["cells"]
+        hits = [(i, m) for i, c in enumerate(cells) if c["cell_type"] == "code"
+                for m in [pattern.search(cell_output(c))] if m]
+        assert len(hits) == 1, (f"{fig.name}: {len(hits)} cells of notebooks/{fig.source}.ipynb print "
+                                f"{fig.where!r}, not one; edit this entry's `where` to match the output")
+        i, match = hits[0]
+        values = [float(g.replace(",", "")) for g in match.groups()]
+        where = f"notebooks/{fig.source}.ipynb, cell {i} (code cell [{cells[i]['execution_count']}])"
+    combine = {"one": lambda v: v[0] if len(v) == 1 else None, "max": max,
+               "ratio": lambda v: v[0] / v[1], "difference": lambda v: v[0] - v[1]}[fig.combine]
+    value = combine(values)
+    assert value is not None, f"{fig.name}: {len(values)} numbers read; say how to combine them"
+    return value * fig.scale, where
+
+
+def at_precision(value: float, printed: str) -> str:
+    """`value` with as many decimals as `printed` shows (of the mantissa, in e-notation)."""
+    printed = printed.replace(",", "")
+    mantissa, e, _ = printed.partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return f"{value:.{decimals}{'e' if e else 'f'}}"
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_figure_names_are_unique():
+    names = [f.name for f in FIGURES]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize("fig", FIGURES, ids=[f.name for f in FIGURES])
+def test_readme_figure_is_the_stored_one(fig):
+    printed, _ = readme_figure(fig)
+    value, where = stored(fig)
+    rounded = at_precision(value, printed)
+    assert float(rounded) == float(printed.replace(",", "")), (
+        f"{fig.name}: the README says {printed}, the stored value is {rounded} ({value:.6g}), from {where}. "
+        "Put the stored value in the README.")
+
+
+def table_cells(text: str, header: str, columns) -> list[tuple[int, str]]:
+    """(offset in the README, text) of every body cell in the named columns of the table under `header`."""
+    names = [c.strip() for c in header.strip("|").split("|")]
+    wanted = [names.index(c) for c in columns]
+    cells, offset = [], text.index(header)
+    for row, line in enumerate(text[offset:].split("\n")):
+        if not line.startswith("|"):
+            break
+        if row >= 2:  # below the header and the |---| row
+            bars = [m.start() for m in re.finditer(r"\|", line)]
+            cells += [(offset + bars[k] + 1, line[bars[k] + 1:bars[k + 1]]) for k in wanted]
+        offset += len(line) + 1
+    return cells
+
+
+def test_every_number_in_the_readme_tables_is_registered():
+    text = README.read_text()
+    registered = {readme_figure(f)[1] for f in FIGURES}
+    missing = []
+    for header, columns in TABLES.items():
+        for offset, cell in table_cells(text, header, columns):
+            for m in re.finditer(NUMBER, cell):
+                if (offset + m.start(), offset + m.end()) not in registered:
+                    missing.append(f"{m.group()} in {cell.strip()!r}")
+    assert not missing, ("numbers in the README's tables that FIGURES does not register (add an entry saying "
+                         f"where each was measured): {missing}")

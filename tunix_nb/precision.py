@@ -1,0 +1,31 @@
+"""Mixed precision: parameters stay float32, the forward/backward pass may run in bfloat16.
+
+Every method's objective takes `compute_dtype` ("auto", "float32", "bfloat16" or a
+dtype) and calls `resolve_compute_dtype` once, then `cast_floats` on each set of
+parameters it applies: the policy, a frozen reference or a teacher alike, so that
+they are all computed in the same precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tunix_nb import devices
+
+
+def resolve_compute_dtype(compute_dtype="auto"):
+    """"auto": the backend's default (bfloat16 on TPU/GPU, float32 = None on CPU)."""
+    if compute_dtype == "auto":
+        compute_dtype = devices.defaults_for().compute_dtype
+    return None if compute_dtype in (None, "float32", jnp.float32) else compute_dtype
+
+
+def cast_floats(tree, dtype):
+    """Mixed precision: a compute copy of the float leaves in `dtype` (None: unchanged).
+
+    Gradients flow back through the cast, so they arrive in the parameters' float32.
+    """
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

@@ -1,0 +1,91 @@
+"""Preemption drills: run the training CLI and SIGKILL it between saves or during one.
+
+Notebook 05 and the tests use `preempt` to show that a run killed at any moment
+resumes, from its newest complete checkpoint, to the same bits as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step before committing it
+
+
+def _in_flight_saves(ckpt_dir: Path) -> list[str]:
+    return sorted(p.name for p in ckpt_dir.glob(f"*{TMP_SUFFIX}*")) if ckpt_dir.is_dir() else []
+
+
+def _last_logged_step(metrics_file: Path) -> int:
+    try:
+        lines = metrics_file.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+def run_and_kill(argv, *, ckpt_dir, metrics_file, when: str, after_step: int = 1, timeout: float = 120.0,
+            env=None, cwd=None) -> dict:
+    """Run `python -m tunix_nb.train *argv` and SIGKILL it mid-run; returns what was killed when.
+
+    when="between_saves": once the metrics file shows a step > `after_step` and no save
+    is in flight; when="during_save": once a step after `after_step` is being written
+    (Orbax's `<step>.orbax-checkpoint-tmp` directory exists). To kill at a known moment,
+    the process is frozen with SIGSTOP, the condition is checked on the frozen process,
+    and then it is SIGKILLed (or let go with SIGCONT to try again). `argv` must include
+    the --ckpt-dir and --metrics-file given here.
+
+    Returns {"killed": bool, "step": last step logged, "in_flight": tmp dir names, "returncode"}.
+    Raises TimeoutError if the run neither finished nor could be killed in time.
+    """
+    if when not in ("between_saves", "during_save"):
+        raise ValueError(f"when={when!r}: use 'between_saves' or 'during_save'")
+    ckpt_dir, metrics_file = Path(ckpt_dir), Path(metrics_file)
+    if cwd is not None:
+        ckpt_dir, metrics_file = Path(cwd) / ckpt_dir, Path(cwd) / metrics_file
+    stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the run
+    proc = subprocess.Popen([sys.executable, "-m", "tunix_nb.train", *argv], cwd=cwd, env=env,
+                            stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    deadline = time.monotonic() + timeout
+    stale = set(_in_flight_saves(ckpt_dir))  # left by an earlier kill: not this run's saves
+
+    def in_flight_saves():
+        return [name for name in _in_flight_saves(ckpt_dir) if name not in stale]
+
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not reach the kill point within {timeout} s")
+            step, in_flight = _last_logged_step(metrics_file), in_flight_saves()
+            ready = step > after_step and (bool(in_flight) == (when == "during_save"))
+            if when == "during_save":
+                ready = ready and any(int(name.split(".")[0]) > after_step for name in in_flight)
+            if not ready:
+                time.sleep(0.001)
+                continue
+            os.kill(proc.pid, signal.SIGSTOP)  # freeze it, then check the condition still holds
+            step, in_flight = _last_logged_step(metrics_file), in_flight_saves()
+            if bool(in_flight) == (when == "during_save"):
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return {"killed": True, "step": step, "in_flight": in_flight, "returncode": proc.returncode}
+            os.kill(proc.pid, signal.SIGCONT)
+        stderr.seek(0)
+        return {"killed": False, "step": _last_logged_step(metrics_file), "in_flight": [],
+                "returncode": proc.returncode, "stderr": stderr.read()}
+    finally:
+        if proc.poll() is None:  # a timeout or an error above: do not leave it running
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        stderr.close()

@@ -1,0 +1,45 @@
+"""Supervised fine-tuning: the token-mean NLL of the completions, and its eval loss.
+
+Tunix: `sft.peft_trainer.PeftTrainer` with its default loss. The objective returns the
+NLL *summed* over completion tokens and the token count, so that `train.make_step`
+all-reduces both and divides once: the global batch's token mean on any device count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from tunix_nb import losses
+from tunix_nb import model as model_lib
+from tunix_nb.precision import cast_floats, resolve_compute_dtype
+
+
+def objective(graphdef, *, compute_dtype="auto"):
+    """(params, batch, frozen) -> (NLL summed over completion tokens, token count, {}).
+
+    `compute_dtype`: "auto" computes in bfloat16 on TPU/GPU and float32 on CPU, with
+    float32 parameters either way; pass jnp.float32 or jnp.bfloat16 to choose.
+    """
+    compute_dtype = resolve_compute_dtype(compute_dtype)
+
+    def sft_objective(params, batch, frozen=None):
+        logits_BxLxV = model_lib.apply(graphdef, cast_floats(params, compute_dtype), batch["inputs"],
+                                       batch["attention_mask"])
+        nll_sum, count = losses.sft_loss(logits_BxLxV, batch["targets"], batch["loss_mask"])
+        return nll_sum, count, {}
+
+    return sft_objective
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _nll_sum_and_count(graphdef, params, batch):
+    logits_BxLxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"])
+    return losses.sft_loss(logits_BxLxV, batch["targets"], batch["loss_mask"])
+
+
+def eval_loss(graphdef, params, arrays) -> float:
+    """Token-mean NLL over completion tokens of a whole eval set (from `data.sft_arrays`)."""
+    nll_sum, count = _nll_sum_and_count(graphdef, params, arrays)
+    return float(nll_sum / count)

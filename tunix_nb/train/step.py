@@ -1,0 +1,151 @@
+"""The step builder every method shares: one step body under jit, pmap, shard_map, dp or fsdp.
+
+A step is a pure function `step(params, opt_state, batch, frozen) -> (params,
+opt_state, metrics)`: `frozen` holds what is not trained (a teacher's parameters, or
+nothing). There is no dropout, so a step needs no random key; the data order comes
+from `tunix_nb.data.batch_at(seed, step)`.
+
+Every objective returns `(loss_sum, weight, metrics)`: the loss over the batch is
+`loss_sum / weight`. For SFT that is (NLL summed over completion tokens, number of
+completion tokens); for per-example losses it is (sum over examples, examples). Under
+`pmap` and `shard_map` the step psums both before dividing, so the loss and the
+gradients are those of the *global* batch, exactly as on one device, however the
+tokens fall across devices. Under `dp` and `fsdp` (jit on a mesh) the step sees the
+global batch as one array, so it divides once, as on one device, and XLA inserts the
+collectives.
+
+Parallel strategies (`PARALLEL_MODES`), all with the same step body:
+- "jit": one device.
+- "pmap": per-device code; state replicated with a leading device axis, batch
+  [n, B/n, ...]; explicit psum. Legacy, kept because lesson 03 teaches it.
+- "shard_map": per-device code on a Mesh; state replicated P(), batch rows split
+  P("data"), no device axis; explicit psum. pmap's direct successor.
+- "dp": jit with NamedShardings; state replicated, batch rows split; the all-reduce
+  is inserted by XLA.
+- "fsdp": as dp, but params and optimizer state stored split over the mesh
+  (`parallel.fsdp_spec`). One sharding constraint asks for whole params inside the
+  loss, so XLA all-gathers them for the forward/backward pass and reduce-scatters the
+  gradients back to the slices each device updates. (The whole tree at once: a large
+  model would gather layer by layer, e.g. inside a scan over layers.)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from tunix_nb import parallel
+
+PARALLEL_MODES = ("jit", "pmap", "shard_map", "dp", "fsdp")
+
+
+def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit",
+              all_reduce: bool = True, donate: bool = False, mesh=None):
+    """A compiled training step for `objective` under one of `PARALLEL_MODES`.
+
+    Under pmap, params/opt_state/frozen are replicated and the batch is sharded
+    (`tunix_nb.parallel`); loss sums, weights and gradients are psum'd over devices
+    before the division, so every device applies the global batch's update. shard_map
+    runs the same per-device body on a Mesh, without the leading device axis. dp and
+    fsdp compile the single-device body with `jax.jit` and shardings on a Mesh (fsdp
+    also asks for whole params inside the loss; see the module docstring). For the mesh
+    strategies `mesh` defaults to `parallel.make_mesh()` (all devices), and the result
+    is a `MeshStep` (call it like a function; it carries `.mesh`).
+    `all_reduce=False` (pmap, shard_map) drops the psum (each device then trains on its
+    own shard): it exists only to measure what the all-reduce costs. `donate=True` lets
+    XLA reuse the input params/opt_state buffers for the outputs (less memory on an
+    accelerator), but then the arrays passed in are deleted by the call.
+    """
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
+    if not all_reduce and parallel_mode in ("dp", "fsdp"):
+        raise ValueError(f"all_reduce=False needs per-device code (pmap or shard_map); under {parallel_mode!r} "
+                         "the step sees the global batch and XLA inserts the collectives.")
+    axis = {"pmap": parallel.DEVICE_AXIS, "shard_map": parallel.MESH_AXIS}.get(parallel_mode)
+    if parallel_mode in parallel.MESH_MODES and mesh is None:
+        mesh = parallel.make_mesh()
+    gather = None
+    if parallel_mode == "fsdp":  # the state is stored split; the forward/backward pass needs it whole
+        whole = parallel.replicated(mesh)
+        gather = lambda tree: lax.with_sharding_constraint(tree, whole)  # noqa: E731
+
+    def step(params, opt_state, batch, frozen=None):
+        if gather is not None and frozen is not None:
+            frozen = gather(frozen)
+
+        def local_loss_sum(p):
+            if gather is not None:  # XLA all-gathers here, and reduce-scatters the gradient back
+                p = gather(p)
+            loss_sum, weight, metrics = objective(p, batch, frozen)
+            return loss_sum, (weight, metrics)
+
+        (loss_sum, (weight, metrics)), grads = jax.value_and_grad(local_loss_sum, has_aux=True)(params)
+        if axis is not None and all_reduce:  # the all-reduce: sum over devices, then divide once
+            loss_sum, weight, grads = lax.psum((loss_sum, weight, grads), axis)
+            metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
+        weight = jnp.maximum(weight, 1.0)  # a batch with no completion tokens: no NaN
+        grads = jax.tree.map(lambda g: g / weight, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), **metrics}
+        return params, opt_state, metrics
+
+    donate_argnums = (0, 1) if donate else ()
+    if parallel_mode == "jit":
+        return jax.jit(step, donate_argnums=donate_argnums)
+    if parallel_mode == "pmap":
+        return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
+    return MeshStep(step, mesh, parallel_mode, donate_argnums=donate_argnums)
+
+
+class MeshStep:
+    """A step on a device mesh: "shard_map", "dp" or "fsdp". Call it like the step.
+
+    The state's shardings depend on its shapes (FSDP splits each array by its own
+    shape), so the jitted function is built at the first call, with `in_shardings`
+    and `out_shardings` that keep the state where it is: replicated for shard_map/dp,
+    split for fsdp. The inputs must already lie that way (`parallel.place_state`,
+    `parallel.place_batch`; `train.run` does it); metrics come back replicated.
+    """
+
+    def __init__(self, step, mesh, parallel_mode, *, donate_argnums=()):
+        if parallel_mode not in parallel.MESH_MODES:
+            raise ValueError(f"MeshStep runs {parallel.MESH_MODES}, not {parallel_mode!r}.")
+        self.step, self.mesh, self.parallel_mode = step, mesh, parallel_mode
+        self.donate_argnums = donate_argnums
+        self._compiled = {}
+
+    def shardings(self, params, opt_state, frozen=None):
+        """(in_shardings, out_shardings) for these arguments: the state placed per strategy."""
+        state = parallel.state_shardings((params, opt_state, frozen), self.mesh, self.parallel_mode)
+        rep = parallel.replicated(self.mesh)
+        in_shardings = (state[0], state[1], parallel.data_sharding(self.mesh), state[2])
+        return in_shardings, (state[0], state[1], rep)
+
+    def jitted(self, params, opt_state, frozen=None):
+        """The jitted function for these arguments' shapes (e.g. to `.lower(...)` it)."""
+        key = jax.tree.structure((params, opt_state, frozen)), tuple(
+            np.shape(x) for x in jax.tree.leaves((params, opt_state, frozen)))
+        if key not in self._compiled:
+            in_shardings, out_shardings = self.shardings(params, opt_state, frozen)
+            fn = self.step
+            if self.parallel_mode == "shard_map":
+                # Per-device code, like pmap: check_vma=False keeps pmap's semantics (the
+                # gradient of replicated params is the local one, and the step psums it).
+                fn = jax.shard_map(fn, mesh=self.mesh, check_vma=False,
+                                   in_specs=(P(), P(), P(parallel.MESH_AXIS), P()), out_specs=P())
+            self._compiled[key] = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                          donate_argnums=self.donate_argnums)
+        return self._compiled[key]
+
+    def __call__(self, params, opt_state, batch, frozen=None):
+        return self.jitted(params, opt_state, frozen)(params, opt_state, batch, frozen)
+
+    def __repr__(self):
+        return f"MeshStep({self.parallel_mode!r}, mesh={dict(self.mesh.shape)})"
