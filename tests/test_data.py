@@ -411,3 +411,17 @@ def test_preference_arrays_too_long_offers_no_truncation():
     pair = [{"prompt": "rev abcd=", "chosen": "dcba", "rejected": "abcd"}]
     with pytest.raises(DataError, match=r"Raise seq_len to 14\.$"):
         data.preference_arrays(pair, tok, 10)
+
+
+def test_uneven_batch_gives_each_device_its_own_slice_by_length():
+    examples = sorted(data.load_sft()[:64], key=lambda e: len(e["completion"]))
+    rows = data.sft_arrays(examples, ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    batch = data.uneven_batch(rows, 0, n_devices=4, per_device=2)
+    assert batch["inputs"].shape == (8, data.DEFAULT_SEQ_LEN)
+    np.testing.assert_array_equal(batch["inputs"], rows["inputs"][[0, 1, 16, 17, 32, 33, 48, 49]])
+    tokens = batch["loss_mask"].reshape(4, -1).sum(axis=1)
+    assert tokens[0] < tokens[-1]  # the shortest answers on device 0, the longest on the last
+    later = data.uneven_batch(rows, 9, n_devices=4, per_device=2)  # wraps within each slice
+    np.testing.assert_array_equal(later["inputs"][:2], rows["inputs"][[2, 3]])
+    with pytest.raises(data.DataError, match="at least 128 rows"):
+        data.uneven_batch(rows, 0, n_devices=8, per_device=16)

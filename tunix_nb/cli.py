@@ -246,7 +246,7 @@ def resolve_config(args) -> RunConfig:
     if args.command == "dpo":
         init_from = args.init_from or str(data.DATA_DIR / "sft_student")
         try:
-            init_model = checkpoint.preset_of(checkpoint.load_meta(init_from))
+            init_model = checkpoint.model_preset(checkpoint.load_meta(init_from), "The --init-from checkpoint")
         except FileNotFoundError:
             raise RunError(f"--init-from {init_from}: no checkpoint there; train one with "
                            f"`python -m tunix_nb.train sft --ckpt-dir {init_from}` first")

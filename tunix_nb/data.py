@@ -457,6 +457,24 @@ def batch_at(
 # ---------------------------------------------------------------- evaluation
 
 
+def uneven_batch(rows_by_length: Mapping[str, np.ndarray], step: int, n_devices: int,
+                 per_device: int = 4) -> dict[str, np.ndarray]:
+    """A global batch [n_devices * per_device, L] whose devices hold different token counts.
+
+    `rows_by_length`: arrays (e.g. from `sft_arrays`) of examples sorted by completion
+    length. Device i takes `per_device` rows of the i-th of n_devices slices, so device 0
+    holds the shortest answers and the last device the longest: the batch on which a
+    per-device mean and the token-correct all-reduce disagree (lessons 03 and 06).
+    """
+    n_rows = len(next(iter(rows_by_length.values())))
+    span = n_rows // n_devices
+    if span < per_device:
+        raise DataError(f"{n_rows} rows cannot give {n_devices} devices {per_device} rows each from slices of "
+                        f"their own; pass at least {n_devices * per_device} rows or fewer per device.")
+    idx = (np.arange(n_devices)[:, None] * span + (step * per_device + np.arange(per_device)) % span).reshape(-1)
+    return {k: v[idx] for k, v in rows_by_length.items()}
+
+
 def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
     """Fraction of predictions exactly equal to their reference (no stripping)."""
     if len(predictions) != len(references):

@@ -113,6 +113,8 @@ def _sum_over_step_devices(x):
 
     Per-device code runs under the kit's axis names (`train.make_step`); the jit
     strategies see the global batch, where no axis is bound and x is already global.
+    (Under `make_step(..., all_reduce=False)`, which only times the all-reduce, the
+    sum still spans the devices.)
     """
     for axis in (parallel.DEVICE_AXIS, parallel.MESH_AXIS):
         try:

@@ -6,9 +6,8 @@ Each method's loss-based eval metrics live with the method (`sft.eval_loss`,
 
 from __future__ import annotations
 
-import numpy as np
-
-from tunix_nb import data, dpo, sft
+from tunix_nb import data
+from tunix_nb.batching import map_in_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 
@@ -18,20 +17,18 @@ def generate_answers(graphdef, params, prompts, *, tokenizer: Tokenizer | None =
                      batch_size: int = 200) -> list[str]:
     """Greedy answers to `prompts`, cut at the first eos."""
     tokenizer = tokenizer or ByteTokenizer()
-    batch_size = min(batch_size, len(prompts))
+    prompts_BxP = data.prompt_arrays(list(prompts), tokenizer, prompt_len)
+
+    def generate(batch):
+        return model_lib.greedy_generate(graphdef, params, batch["tokens"], batch["attention_mask"],
+                                         max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
+                                         pad_id=tokenizer.pad_id)
+
     answers = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start:start + batch_size])
-        n_real = len(chunk)
-        chunk += [chunk[-1]] * (batch_size - n_real)  # pad the last chunk: one compiled shape
-        batch = data.prompt_arrays(chunk, tokenizer, prompt_len)
-        new_ids = np.asarray(model_lib.greedy_generate(
-            graphdef, params, batch["tokens"], batch["attention_mask"], max_new_tokens=max_new_tokens,
-            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
-        for ids in new_ids[:n_real].tolist():
-            if tokenizer.eos_id in ids:
-                ids = ids[: ids.index(tokenizer.eos_id)]
-            answers.append(tokenizer.decode(ids))
+    for ids in map_in_chunks(generate, prompts_BxP, batch_size).tolist():
+        if tokenizer.eos_id in ids:
+            ids = ids[: ids.index(tokenizer.eos_id)]
+        answers.append(tokenizer.decode(ids))
     return answers
 
 

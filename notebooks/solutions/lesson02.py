@@ -20,22 +20,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from tunix_nb import checkpoint, data, distill, evaluate, losses, model, sft, train
+from tunix_nb import data, distill, evaluate, losses, model, sft, train
+from tunix_nb.batching import map_in_chunks
 from tunix_nb.tokenizer import ByteTokenizer
-
-
-def load_model(ckpt_dir):
-    """(graphdef, params) of a model saved in `ckpt_dir` (its preset is in the checkpoint's meta).
-
-    The structure comes from `nnx.eval_shape`, which builds no arrays: no random
-    initialisation to run (and compile) only to be overwritten by the checkpoint.
-    """
-    preset = checkpoint.load_meta(ckpt_dir)["model"]
-    graphdef, like = nnx.split(nnx.eval_shape(lambda: model.make_model(preset)))
-    params = checkpoint.params_into(like, checkpoint.load_params(ckpt_dir))
-    return graphdef, jax.device_put(params)
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +34,7 @@ def lesson_setup():
     "teacher_logits" [1000, 24, 259]; eval_rows the four arrays [200, 24] of the eval set.
     """
     tok = ByteTokenizer()
-    teacher_graphdef, teacher_params = load_model(data.DATA_DIR / "teacher")
+    teacher_graphdef, teacher_params = distill.load_teacher()
     eval_examples = data.load_sft(data.DATA_DIR / "sft_eval.jsonl")
     eval_rows = data.sft_arrays(eval_examples, tok, data.DEFAULT_SEQ_LEN)
     known = [e["prompt"] for e in data.load_sft() + eval_examples]
@@ -59,13 +47,7 @@ def lesson_setup():
 def teacher_logits(graphdef, params, rows, chunk: int = 200) -> np.ndarray:
     """The frozen teacher's logits [N, L, V] for rows [N, L], in chunks of one compiled shape."""
     apply = jax.jit(model.apply, static_argnums=0)
-    n = len(rows["inputs"])
-    out = []
-    for start in range(0, n, chunk):
-        idx = np.arange(start, start + chunk) % n  # pad the tail: one compiled shape
-        logits = apply(graphdef, params, rows["inputs"][idx], rows["attention_mask"][idx])
-        out.append(np.asarray(logits)[: min(chunk, n - start)])
-    return np.concatenate(out)
+    return map_in_chunks(lambda b: apply(graphdef, params, b["inputs"], b["attention_mask"]), rows, chunk)
 
 
 def cached_teacher_objective(student_graphdef):

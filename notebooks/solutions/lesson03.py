@@ -27,10 +27,7 @@ def length_sorted_rows():
 
 def uneven_batch(step: int, n: int, per_device: int = 4):
     """The lesson's batch [n * per_device, 24]: device i's rows from the i-th slice by length."""
-    rows = length_sorted_rows()
-    span = len(rows["inputs"]) // n
-    idx = (np.arange(n)[:, None] * span + (step * per_device + np.arange(per_device)) % span).reshape(-1)
-    return {k: v[idx] for k, v in rows.items()}
+    return data.uneven_batch(length_sorted_rows(), step, n, per_device)
 
 
 def equal_tokens_batch(step: int, n: int, per_device: int = 4):

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_nb import data, dpo, evaluate, losses, train
-from solutions.lesson02 import load_model
+from tunix_nb import checkpoint, data, dpo, evaluate, losses, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 # ------------------------------------------------------------------ the loss, per pair
@@ -54,7 +53,7 @@ def _loss_and_grad(h_K, beta, loss_type, label_smoothing):
 @functools.lru_cache(maxsize=1)
 def lesson_setup():
     """(graphdef, sft_params, eval_examples, pair_rows): the lesson's policy and data, loaded once."""
-    graphdef, sft_params = load_model(data.DATA_DIR / "sft_student")
+    graphdef, sft_params, _ = checkpoint.load_model(data.DATA_DIR / "sft_student")
     eval_examples = data.load_sft(data.DATA_DIR / "sft_eval.jsonl")
     tok = ByteTokenizer()
     pair_rows = {"train": data.preference_arrays(data.load_preferences(), tok, data.DEFAULT_SEQ_LEN),
