@@ -241,5 +241,6 @@ def test_rpo_term_is_the_global_token_mean_under_every_strategy(rpo, mode):
     _, run, (jit_params, _, jit_hist) = rpo
     params, _, hist = run(mode)
     assert compare.max_abs_diff(jit_params, params) <= 1e-5
-    for key in ("loss", "sft/chosen_nll"):
-        np.testing.assert_allclose([h[key] for h in hist], [h[key] for h in jit_hist], rtol=1e-5)
+    # the loss, with its two terms each divided by its global count, is exact; the metric
+    # "sft/chosen_nll" is each device's token mean, averaged (documented in dpo.objective)
+    np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in jit_hist], rtol=1e-5)

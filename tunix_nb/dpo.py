@@ -14,10 +14,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from tunix_nb import losses, parallel
+from tunix_nb import losses
+from tunix_nb.batching import map_in_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
@@ -71,16 +71,10 @@ def reference_log_probs(graphdef, params, pair_arrays, *, length_normalize=False
     precision, or policy and reference differ at step 0.
     """
     fn = _jitted_reference(graphdef, length_normalize, resolve_compute_dtype(compute_dtype))
-    n = len(pair_arrays["chosen_inputs"])
-    chosen, rejected = [], []
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, start + batch_size) % n  # pad the tail: one compiled shape
-        c, r = fn(params, {k: pair_arrays[k][idx] for k in _ROW_KEYS})
-        keep = min(batch_size, n - start)
-        chosen.append(np.asarray(c)[:keep])
-        rejected.append(np.asarray(r)[:keep])
+    rows = {k: pair_arrays[k] for k in _ROW_KEYS}
+    chosen, rejected = map_in_chunks(lambda chunk: fn(params, chunk), rows, batch_size)
     chosen_key, rejected_key = REFERENCE_KEYS[length_normalize]
-    return {**pair_arrays, chosen_key: np.concatenate(chosen), rejected_key: np.concatenate(rejected)}
+    return {**pair_arrays, chosen_key: chosen, rejected_key: rejected}
 
 
 @functools.lru_cache(maxsize=16)
@@ -108,37 +102,6 @@ def _cached_reference(batch, length_normalize):
         "cached_reference=False and pass the reference parameters as the step's `frozen`.")
 
 
-def _sum_over_step_devices(x):
-    """x summed over the devices of a pmap or shard_map step; x itself under jit, dp or fsdp.
-
-    Per-device code runs under the kit's axis names (`train.make_step`); the jit
-    strategies see the global batch, where no axis is bound and x is already global.
-    (Under `make_step(..., all_reduce=False)`, which only times the all-reduce, the
-    sum still spans the devices.)
-    """
-    for axis in (parallel.DEVICE_AXIS, parallel.MESH_AXIS):
-        try:
-            return lax.psum(x, axis)
-        except NameError:  # not traced under this axis
-            continue
-    return x
-
-
-def _chosen_nll(chosen_logps_B, chosen_mask_BxL):
-    """RPO's term as a share of the pair-loss sum, and as a per-device metric.
-
-    The term is the NLL summed over all chosen completion tokens of the global batch
-    over their count T (TRL's `rpo_alpha`). The step divides the psum'd loss sums by
-    the global pair count P, so each device adds its own NLL sum times P / T: exact on
-    any number of devices. P and T count data, not parameters, so they carry no gradient.
-    """
-    tokens = _sum_over_step_devices(chosen_mask_BxL.sum().astype(jnp.float32))
-    pairs = _sum_over_step_devices(jnp.float32(chosen_logps_B.shape[0]))
-    share = -chosen_logps_B.sum() * pairs / jnp.maximum(tokens, 1.0)
-    # share / local pairs: the step's pmean over equal shards gives the global token mean.
-    return share, share / chosen_logps_B.shape[0]
-
-
 def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
               length_normalize=False, cached_reference=True, sft_weight=0.0, compute_dtype="auto"):
     """(policy params, batch, reference params or None) -> (loss sum, pairs B, metrics).
@@ -149,12 +112,14 @@ def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
     the step. The loss sum over B is the mean pair loss.
 
     `sft_weight > 0` adds that multiple of the chosen answers' NLL (RPO), as TRL's
-    `rpo_alpha`: the NLL summed over all chosen completion tokens of the batch, divided
-    by their number (a token mean, whatever `length_normalize`). It keeps the chosen
-    answers likely while the margin grows. The batch is the global one: under pmap and
-    shard_map the token and pair counts are psum'd inside the objective, so 8 devices
-    equal 1 (TRL on several GPUs averages per-device token means instead). The metric
-    "sft/chosen_nll" is that token mean.
+    `rpo_alpha` (since TRL's DPO refactor, the weighted loss_type "sft"): the NLL summed
+    over all chosen completion tokens of the batch, divided by their number (a token
+    mean, whatever `length_normalize`). It keeps the chosen
+    answers likely while the margin grows. The objective then returns two terms, (pair
+    loss sum, NLL sum) over (pairs, chosen tokens), and `train.make_step` all-reduces each
+    sum and count before dividing: the global batch's token mean on any number of devices
+    (TRL on several GPUs averages per-device token means instead). The metric
+    "sft/chosen_nll" is the token mean of each device's shard, averaged over devices.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
     if loss_type not in losses.DPO_LOSS_TYPES:
@@ -180,11 +145,14 @@ def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
         n = pi_c.shape[0]
         loss_sum = loss * n
         metrics = {**metrics, "logps/chosen": pi_c.mean(), "logps/rejected": pi_r.mean()}
-        if sft_weight:
-            nll_share, nll_metric = _chosen_nll(sum_c, batch["chosen_loss_mask"])
-            loss_sum = loss_sum + sft_weight * nll_share
-            metrics["sft/chosen_nll"] = nll_metric
-        return loss_sum, jnp.float32(n), jax.tree.map(lax.stop_gradient, metrics)
+        metrics = jax.tree.map(lax.stop_gradient, metrics)
+        if not sft_weight:
+            return loss_sum, jnp.float32(n), metrics
+        # RPO: a second term, the NLL over the chosen tokens, normalised by their count
+        nll_sum = -sum_c.sum()
+        tokens = batch["chosen_loss_mask"].sum().astype(jnp.float32)
+        metrics["sft/chosen_nll"] = lax.stop_gradient(nll_sum / jnp.maximum(tokens, 1.0))
+        return (loss_sum, sft_weight * nll_sum), (jnp.float32(n), tokens), metrics
 
     return dpo_objective
 

@@ -66,21 +66,8 @@ def lesson_setup():
 def cached_pairs():
     """{"train", "eval"} pair arrays with the reference's cached summed log-probs."""
     graphdef, sft_params, _, pair_rows = lesson_setup()
-    return {split: reference_log_probs(graphdef, sft_params, rows) for split, rows in pair_rows.items()}
-
-
-def reference_log_probs(graphdef, params, rows, chunk: int = 200):
-    """`dpo.reference_log_probs`, in chunks of `chunk` pairs scored by the same compiled
-    `dpo.pair_log_probs` that scores the policies later (one program for all)."""
-    score = _scorer(graphdef)
-    n = len(rows["chosen_inputs"])
-    chosen, rejected = [], []
-    for start in range(0, n, chunk):
-        idx = np.arange(start, start + chunk) % n  # pad the tail: one compiled shape
-        c, r = score(params, {k: v[idx] for k, v in rows.items()})
-        chosen.append(np.asarray(c)[: min(chunk, n - start)])
-        rejected.append(np.asarray(r)[: min(chunk, n - start)])
-    return {**rows, "ref_chosen_logps": np.concatenate(chosen), "ref_rejected_logps": np.concatenate(rejected)}
+    return {split: dpo.reference_log_probs(graphdef, sft_params, rows, batch_size=200)
+            for split, rows in pair_rows.items()}
 
 
 def dpo_family_objective(graphdef):

@@ -6,7 +6,9 @@ nothing). There is no dropout, so a step needs no random key; the data order com
 from `tunix_nb.data.batch_at(seed, step)`.
 
 Every objective returns `(loss_sum, weight, metrics)`: the loss over the batch is
-`loss_sum / weight`. For SFT that is (NLL summed over completion tokens, number of
+`loss_sum / weight`. An objective with terms normalised by different counts (DPO's
+pair loss over pairs plus RPO's NLL over chosen tokens) returns tuples of loss sums
+and weights, one per term; the loss is then the sum of the terms' ratios. For SFT that is (NLL summed over completion tokens, number of
 completion tokens); for per-example losses it is (sum over examples, examples). Under
 `pmap` and `shard_map` the step psums both before dividing, so the loss and the
 gradients are those of the *global* batch, exactly as on one device, however the
@@ -75,25 +77,38 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
         whole = parallel.replicated(mesh)
         gather = lambda tree: lax.with_sharding_constraint(tree, whole)  # noqa: E731
 
+    def all_reduce_sum(tree):  # per-device code sums over devices; jit on a mesh sees it whole
+        return lax.psum(tree, axis) if axis is not None and all_reduce else tree
+
     def step(params, opt_state, batch, frozen=None):
         if gather is not None and frozen is not None:
             frozen = gather(frozen)
 
-        def local_loss_sum(p):
+        def local_terms(p):
             if gather is not None:  # XLA all-gathers here, and reduce-scatters the gradient back
                 p = gather(p)
-            loss_sum, weight, metrics = objective(p, batch, frozen)
-            return loss_sum, (weight, metrics)
+            loss_sums, weights, metrics = objective(p, batch, frozen)
+            return as_terms(loss_sums), (as_terms(weights), metrics)
 
-        (loss_sum, (weight, metrics)), grads = jax.value_and_grad(local_loss_sum, has_aux=True)(params)
-        if axis is not None and all_reduce:  # the all-reduce: sum over devices, then divide once
-            loss_sum, weight, grads = lax.psum((loss_sum, weight, grads), axis)
+        loss_sums, pullback, (weights, metrics) = jax.vjp(local_terms, params, has_aux=True)
+        if len(loss_sums) == 1:  # the usual case: one all-reduce of (sum, weight, grads), divide once
+            (grads,) = pullback((jnp.ones_like(loss_sums[0]),))
+            loss_sums, weights, grads = all_reduce_sum((loss_sums, weights, grads))
+            weights = (jnp.maximum(weights[0], 1.0),)  # a batch with no completion tokens: no NaN
+            grads = jax.tree.map(lambda g: g / weights[0], grads)
+        else:  # terms over different counts: the global counts first, then the backward pass
+            loss_sums, weights = all_reduce_sum((loss_sums, weights))
+            weights = tuple(jnp.maximum(w, 1.0) for w in weights)
+            # weights count data, not parameters: the gradient of sum_k loss_sum_k / weight_k
+            # is the pullback of (1 / weight_k)_k
+            (grads,) = pullback(tuple(1.0 / w for w in weights))
+            grads = all_reduce_sum(grads)
+        if axis is not None and all_reduce:
             metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
-        weight = jnp.maximum(weight, 1.0)  # a batch with no completion tokens: no NaN
-        grads = jax.tree.map(lambda g: g / weight, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), **metrics}
+        loss = sum(s / w for s, w in zip(loss_sums, weights))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
         return params, opt_state, metrics
 
     donate_argnums = (0, 1) if donate else ()
@@ -102,6 +117,11 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     if parallel_mode == "pmap":
         return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
     return MeshStep(step, mesh, parallel_mode, donate_argnums=donate_argnums)
+
+
+def as_terms(x) -> tuple:
+    """An objective's loss sum (or weight): one scalar, or a tuple of them, one per loss term."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 class MeshStep:
