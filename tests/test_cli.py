@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tunix_nb import checkpoint, compare, losses, preempt
+from tunix_nb import cli as cli_module
 
 TINY = ["sft", "--model", "tiny", "--batch-size", "16"]
 # The run the preemption tests interrupt: long enough (a few ms a step) to be killed mid-run.
@@ -76,6 +77,7 @@ def test_help_documents_every_flag(cli):
     ([*TINY, "--stop-after", "9"], "--stop-after 9 is beyond --steps 4"),
     ([*TINY, "--stop-after", "2"], "--stop-after needs --ckpt-dir"),
     ([*TINY, "--beta", "0.1"], "--beta applies only to dpo, not sft"),
+    ([*TINY, "--length-normalize"], "--length-normalize applies only to dpo, not sft"),
     (["dpo", "--beta", "0"], "argument --beta: 0.0 must be greater than 0"),
     (["dpo", "--loss-type", "kto"], "argument --loss-type: invalid choice: 'kto'"),
     (["dpo", "--sft-weight", "-1"], "argument --sft-weight: -1.0 must be 0 or more"),
@@ -239,3 +241,13 @@ def test_python_m_train_executes_no_module_twice(env):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_length_normalized_dpo_runs_and_is_part_of_the_run_config(tmp_path, capsys):
+    """--length-normalize (what IPO wants) trains, and resuming without it is another run."""
+    run = ["dpo", "--loss-type", "ipo", "--beta", "0.5", "--steps", "2", "--batch-size", "8",
+           "--ckpt-dir", str(tmp_path / "ipo")]
+    assert cli_module.main([*run, "--length-normalize"]) == 0
+    assert checkpoint.load_meta(tmp_path / "ipo")["config"]["length_normalize"] is True
+    assert cli_module.main(run) == 2
+    assert "(length_normalize: saved True, given False)" in capsys.readouterr().err

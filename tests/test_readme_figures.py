@@ -353,3 +353,23 @@ def test_every_number_in_the_readme_tables_is_registered():
                     missing.append(f"{m.group()} in {cell.strip()!r}")
     assert not missing, ("numbers in the README's tables that FIGURES does not register (add an entry saying "
                          f"where each was measured): {missing}")
+
+
+def update_readme() -> list[str]:
+    """Write every registered figure's stored value into the README; returns what changed."""
+    text, changes = README.read_text(), []
+    edits = []
+    for fig in FIGURES:
+        printed, (start, end) = readme_figure(fig)
+        rounded = at_precision(stored(fig)[0], printed)
+        if float(rounded) != float(printed.replace(",", "")):
+            edits.append((start, end, rounded))
+            changes.append(f"{fig.name}: {printed} -> {rounded}")
+    for start, end, rounded in sorted(edits, reverse=True):  # from the end: spans stay valid
+        text = text[:start] + rounded + text[end:]
+    README.write_text(text)
+    return changes
+
+
+if __name__ == "__main__":  # python tests/test_readme_figures.py: after re-executing notebooks
+    print("\n".join(update_readme()) or "The README's figures are the stored ones.")

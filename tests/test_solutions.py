@@ -112,6 +112,16 @@ def test_lesson02_ex3_reverse_kl_student_is_not_the_better_one_here():
 # ------------------------------------------------------------------ 03 data-parallel SFT
 
 
+def test_lesson02_ex4_the_batch_order_moves_the_comparison():
+    out = lesson02.distillation_gain_by_data_order((0, 1), steps=30)
+    assert set(out) == {0, 1}
+    for run in out.values():
+        assert np.isfinite([run["distilled"], run["hard"]]).all()
+        assert run["gain"] == run["hard"] - run["distilled"]
+    # another batch order trains other students: the outcome of one comparison is one draw
+    assert out[0]["distilled"] != out[1]["distilled"] and out[0]["hard"] != out[1]["hard"]
+
+
 def test_lesson03_ex1_equal_token_counts_do_not_drift():
     out = lesson03.equal_token_counts_drift(steps=3)
     assert len(set(out["tokens_equal"])) == 1 and len(set(out["tokens_uneven"])) > 1

@@ -198,6 +198,10 @@ class RunError(Exception):
     """A run that cannot start as asked: printed as `error: ...`, exit status 2, nothing changed."""
 
 
+class FlagError(RunError):
+    """Flags that cannot make a run: reported like argparse's own errors, with the usage."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """What defines a run, with every default resolved. Saved in each checkpoint's meta:
@@ -248,15 +252,15 @@ def resolve_config(args) -> RunConfig:
         try:
             init_model = checkpoint.model_preset(checkpoint.load_meta(init_from), "The --init-from checkpoint")
         except FileNotFoundError:
-            raise RunError(f"--init-from {init_from}: no checkpoint there; train one with "
+            raise FlagError(f"--init-from {init_from}: no checkpoint there; train one with "
                            f"`python -m tunix_nb.train sft --ckpt-dir {init_from}` first")
         if preset is not None and preset != init_model:
-            raise RunError(f"--model {preset!r} differs from the --init-from checkpoint's model "
+            raise FlagError(f"--model {preset!r} differs from the --init-from checkpoint's model "
                            f"{init_model!r}; leave --model out")
         preset = init_model
     preset = preset or "student"
     if preset not in model.PRESETS:
-        raise RunError(f"--model {preset!r} is not a preset; choose one of {sorted(model.PRESETS)}")
+        raise FlagError(f"--model {preset!r} is not a preset; choose one of {sorted(model.PRESETS)}")
     compute_dtype = (devices.defaults_for().compute_dtype if args.compute_dtype == "auto"
                      else args.compute_dtype)
     return RunConfig(command=args.command, model=preset, teacher=teacher, init_from=init_from,
@@ -271,7 +275,7 @@ def check_devices(config: RunConfig, parallel_mode: str) -> None:
 
     n_devices = 1 if parallel_mode == "jit" else jax.device_count()
     if config.batch_size % n_devices:
-        raise RunError(f"--batch-size {config.batch_size} does not divide by the {n_devices} devices; "
+        raise FlagError(f"--batch-size {config.batch_size} does not divide by the {n_devices} devices; "
                        f"use a multiple of {n_devices}")
 
 
@@ -465,7 +469,7 @@ def main(argv=None) -> int:
         method = build_method(config)
         n_rows = len(next(iter(method.rows.values())))
         if config.batch_size > n_rows:
-            raise RunError(f"--batch-size {config.batch_size} is larger than the {n_rows} training examples")
+            raise FlagError(f"--batch-size {config.batch_size} is larger than the {n_rows} training examples")
         optimizer = train.make_optimizer(train.OptimizerConfig(
             learning_rate=config.learning_rate, warmup_steps=config.warmup_steps, total_steps=config.steps))
         mesh = parallel.make_mesh() if args.parallel in MESH_CHOICES else None  # every process's devices
@@ -473,6 +477,8 @@ def main(argv=None) -> int:
         run_key = jax.random.key(config.seed)
         method.params, opt_state, start = resume(manager, args, method.params, optimizer.init(method.params),
                                                  run_key, mesh)
+    except FlagError as err:
+        parser.error(str(err))
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

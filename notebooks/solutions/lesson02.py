@@ -87,21 +87,23 @@ def _student_step(preset: str, steps: int):
     return graphdef, params0, opt, train.make_step(cached_teacher_objective(graphdef), opt)
 
 
-def train_student(*, preset: str, steps: int, batch_size: int, temperature=2.0, alpha=0.5, reverse=False):
+def train_student(*, preset: str, steps: int, batch_size: int, temperature=2.0, alpha=0.5, reverse=False,
+                  data_seed: int = 0):
     """A student (seed 0) trained `steps` steps on the transfer set -> (graphdef, params).
 
-    The loss settings are those of `cached_teacher_objective`. A run is a pure function
-    of its arguments, so each is trained once per process and then reused.
+    The loss settings are those of `cached_teacher_objective`; `data_seed` orders the
+    batches (`data.batch_at`). A run is a pure function of its arguments, so each is
+    trained once per process and then reused.
     """
-    return _trained(preset, steps, batch_size, float(temperature), float(alpha), bool(reverse))
+    return _trained(preset, steps, batch_size, float(temperature), float(alpha), bool(reverse), int(data_seed))
 
 
-@functools.lru_cache(maxsize=8)
-def _trained(preset, steps, batch_size, temperature, alpha, reverse):
+@functools.lru_cache(maxsize=16)
+def _trained(preset, steps, batch_size, temperature, alpha, reverse, data_seed):
     graphdef, params0, opt, step_fn = _student_step(preset, steps)
     _, _, transfer_rows, _, _ = lesson_setup()
     params, _, _ = train.run(step_fn, params0, opt.init(params0),
-                             lambda s: data.batch_at(transfer_rows, s, batch_size, seed=0), steps=steps,
+                             lambda s: data.batch_at(transfer_rows, s, batch_size, seed=data_seed), steps=steps,
                              frozen=knobs(temperature, alpha, reverse), progress=False)
     return graphdef, params
 
@@ -236,4 +238,29 @@ def reverse_vs_forward_kl_students(steps: int = 30, preset: str = "tiny",
         out[name] = {"eval_loss": loss, "entropy": entropy}
         if steps >= 100:
             out[name]["exact_match"] = evaluate.exact_match_accuracy(graphdef, params, eval_examples)
+    return out
+
+
+# ------------------------------------------------------------------------- exercise 4
+
+
+def distillation_gain_by_data_order(data_seeds=(0, 1, 2, 3), *, steps: int = 30, preset: str = "tiny",
+                                    batch_size: int = 32) -> dict[int, dict[str, float]]:
+    """Lesson 02, exercise 4: the distilled and the hard-label student under other batch orders.
+
+    For each data seed (`data.batch_at(..., seed=data_seed)`; the lesson uses 0), the
+    lesson's two students, same initial parameters and optimizer: "distilled" (alpha=0.5,
+    T=2) and "hard" (alpha=0), trained `steps` steps on batches [batch_size, 24] of the
+    transfer set. Returns each one's eval loss (token-mean NLL of the 200 eval answers)
+    and "gain", hard minus distilled (positive: distillation helped).
+    """
+    _, _, _, _, eval_rows = lesson_setup()
+    out = {}
+    for seed in data_seeds:
+        losses_by_name = {}
+        for name, alpha in (("distilled", 0.5), ("hard", 0.0)):
+            graphdef, params = train_student(preset=preset, steps=steps, batch_size=batch_size, temperature=2.0,
+                                             alpha=alpha, data_seed=seed)
+            losses_by_name[name] = _eval_loss_and_entropy(graphdef, params, eval_rows)[0]
+        out[seed] = {**losses_by_name, "gain": losses_by_name["hard"] - losses_by_name["distilled"]}
     return out

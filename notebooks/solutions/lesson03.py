@@ -49,7 +49,8 @@ def tokens_per_device(batch, n: int) -> list[int]:
     return batch["loss_mask"].reshape(n, -1).sum(axis=1).astype(int).tolist()
 
 
-def _optimizer():
+def lesson_optimizer():
+    """The optimizer of the lesson's 10-step runs (lessons 03 and 06 share it)."""
     return train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
 
 
@@ -71,7 +72,7 @@ def sft_step(preset: str, objective: str, parallel_mode: str = "jit"):
         return nll_sum / count, jnp.float32(1.0), {}  # each device's own mean, weight 1
 
     fn = {"float32": sft_objective, "bfloat16": sft_objective, "mean_per_device": mean_per_device}[objective]
-    opt = _optimizer()
+    opt = lesson_optimizer()
     return params0, opt, train.make_step(fn, opt, parallel_mode=parallel_mode)
 
 

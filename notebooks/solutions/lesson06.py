@@ -24,10 +24,6 @@ from solutions import lesson03
 from solutions.lesson03 import uneven_batch
 
 
-def _optimizer():
-    return train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
-
-
 
 
 # ------------------------------------------------------------------------- exercise 1
@@ -47,7 +43,7 @@ def check_vma_step(steps: int = 3, preset: str = "tiny") -> dict[str, float]:
     mesh = parallel.make_mesh()
     n = mesh.shape[parallel.MESH_AXIS]
     graphdef, params0 = model.split(model.make_model(preset, seed=0))
-    optimizer = _optimizer()
+    optimizer = lesson03.lesson_optimizer()
 
     def vma_step(params, opt_state, batch):
         def nll_sum_fn(p):
@@ -88,7 +84,7 @@ def pad_to_device_multiple(batch, n: int):
 def mesh_step(preset: str, mode: str):
     """(initial params, optimizer, `train.make_step` for `mode` on all devices), built once per process."""
     graphdef, params0 = model.split(model.make_model(preset, seed=0))
-    optimizer = _optimizer()
+    optimizer = lesson03.lesson_optimizer()
     objective = sft.objective(graphdef, compute_dtype=jnp.float32)
     return params0, optimizer, train.make_step(objective, optimizer, parallel_mode=mode, mesh=parallel.make_mesh())
 
