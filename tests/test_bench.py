@@ -1,13 +1,14 @@
 """python -m tunix_nb.bench --quick runs every figure and writes a valid bench.json."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tunix_nb import bench
+from tunix_nb import bench, data
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +92,17 @@ def test_bad_only_name_is_refused():
     run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--only", "speed"], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2 and "invalid choice: 'speed'" in run.stderr
+
+
+def test_kv_cache_group_runs_alone(tmp_path):
+    """--only kv_cache measures the cached decoder against recomputing, on the same tokens."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--quick", "--only", "kv_cache",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fig = json.loads((tmp_path / "bench.json").read_text())["figures"]["kv_cache_decode_speedup"]
+    assert math.isfinite(fig["value"]) and fig["value"] > 0
+    assert fig["same_tokens"] and set(fig["curve"]) == {str(data.MAX_NEW_TOKENS), "32"}
+    for point in fig["curve"].values():
+        assert point["cached_tokens_per_second"] > 0 and point["recompute_tokens_per_second"] > 0
+    assert "kv_cache_decode_speedup: " in run.stdout

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, model, parallel, sft, train
+from tunix_nb import checkpoint, model, parallel, train
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -200,11 +200,12 @@ def test_dpo_from_an_sft_checkpoint_on_2_devices_then_1(cli, tmp_path, reference
     assert "Resuming from the checkpoint at step 3" in second.stdout and "Done: dpo tiny, 6 steps." in second.stdout
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
-    assert all({"loss", "rewards/accuracy", "rewards/margin", "sft/chosen_nll"} <= set(line) for line in lines)
+    assert all({"loss", "loss/dpo", "loss/sft", "rewards/accuracy", "rewards/margin"} <= set(line) for line in lines)
     # the first step's policy is the reference: margin 0, hinge loss 1 (+ the SFT term)
     # (the cached reference comes from another compiled program: equal up to float rounding)
     assert abs(lines[0]["rewards/margin"]) < 1e-5
-    np.testing.assert_allclose(lines[0]["loss"], 1.0 + 0.5 * lines[0]["sft/chosen_nll"], rtol=1e-5)
+    np.testing.assert_allclose(lines[0]["loss/dpo"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(lines[0]["loss"], lines[0]["loss/dpo"] + lines[0]["loss/sft"], rtol=1e-6)
     clash = cli(*[a if a != "0.2" else "0.3" for a in argv])
     assert clash.returncode == 2 and "(beta: saved 0.2, given 0.3)" in clash.stderr
 

@@ -36,8 +36,9 @@ FIGURES = {
     "ckpt_restore_seconds": ("ckpt", None, None),
     "dpo_cached_ref_speedup": ("dpo", 1.25, "min"),
     "compile_share": ("compile", None, None),
+    "kv_cache_decode_speedup": ("kv_cache", None, None),
 }
-GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile")
+GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile", "kv_cache")
 
 
 def median_seconds(fn, *, repeats: int, warmup: int = 2) -> float:
@@ -393,6 +394,48 @@ def bench_dpo(repeats):
         / flops["reference_forward"])
 
 
+# -------------------------------------------------------------------------- kv_cache
+
+
+def bench_kv_cache(repeats, quick=False, batch_size=64):
+    """Greedy decoding with the KV cache (sampler.generate) against rerunning the whole
+    sequence for every token (model.greedy_generate): same model, prompts and tokens.
+
+    The model is the student, the policy GRPO samples from; the figure is at the kit's
+    answer length (data.MAX_NEW_TOKENS), the curve shows how the gap grows with length.
+    """
+    import jax
+    import numpy as np
+
+    from tunix_nb import data, model, sampler
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    graphdef, params = model.split(model.make_model("student", seed=0))
+    prompts = data.prompt_arrays([e["prompt"] for e in data.load_sft()[:batch_size]], ByteTokenizer(),
+                                 data.DEFAULT_PROMPT_LEN)
+    tokens_BxP, mask_BxP = prompts["tokens"], prompts["attention_mask"]
+    key = jax.random.key(0)
+    curve = {}
+    for new in (data.MAX_NEW_TOKENS, 32) if quick else (data.MAX_NEW_TOKENS, 32, 128):
+        # eos -1: every row decodes all `new` tokens, so both do the same work
+        recompute = lambda: model.greedy_generate(graphdef, params, tokens_BxP, mask_BxP, max_new_tokens=new,
+                                                  eos_id=-1)
+        cached = lambda: sampler.generate(graphdef, params, tokens_BxP, mask_BxP, key, max_new_tokens=new,
+                                          temperature=0, eos_id=-1).tokens
+        if not np.array_equal(recompute(), cached()):
+            raise RuntimeError(f"the cached and recomputing decoders disagree at {new} new tokens")
+        t = interleaved_medians({"recompute": recompute, "cached": cached}, repeats=repeats)
+        curve[new] = {"cached_tokens_per_second": batch_size * new / t["cached"],
+                      "recompute_tokens_per_second": batch_size * new / t["recompute"],
+                      "cached_seconds": t["cached"], "recompute_seconds": t["recompute"],
+                      "speedup": t["recompute"] / t["cached"]}
+    at = data.MAX_NEW_TOKENS
+    return _figure("kv_cache_decode_speedup", curve[at]["speedup"], new_tokens=at, batch_size=batch_size,
+                   prompt_len=data.DEFAULT_PROMPT_LEN, model="student", params=model.count_params(params),
+                   repeats=repeats, curve=curve, same_tokens=True,
+                   note="greedy decoding, tokens per second with the KV cache / recomputing the sequence")
+
+
 # --------------------------------------------------------------------------- compile
 
 
@@ -463,6 +506,7 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
         "ckpt": lambda: bench_ckpt(16 if quick else 128, 1 if quick else 3),
         "dpo": lambda: bench_dpo(repeats),
         "compile": lambda: bench_compile(quick=quick),
+        "kv_cache": lambda: bench_kv_cache(repeats, quick=quick),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench.json"

@@ -115,11 +115,11 @@ def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
     `rpo_alpha` (since TRL's DPO refactor, the weighted loss_type "sft"): the NLL summed
     over all chosen completion tokens of the batch, divided by their number (a token
     mean, whatever `length_normalize`). It keeps the chosen
-    answers likely while the margin grows. The objective then returns two terms, (pair
-    loss sum, NLL sum) over (pairs, chosen tokens), and `train.make_step` all-reduces each
-    sum and count before dividing: the global batch's token mean on any number of devices
-    (TRL on several GPUs averages per-device token means instead). The metric
-    "sft/chosen_nll" is the token mean of each device's shard, averaged over devices.
+    answers likely while the margin grows. The objective then returns two named terms,
+    "dpo" (pair losses over pairs) and "sft" (sft_weight times the chosen tokens' NLL over
+    their count), and `train.make_step` all-reduces each sum and count before dividing:
+    the global batch's token mean on any number of devices (TRL on several GPUs averages
+    per-device token means instead). The step reports them as "loss/dpo" and "loss/sft".
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
     if loss_type not in losses.DPO_LOSS_TYPES:
@@ -149,10 +149,9 @@ def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
         if not sft_weight:
             return loss_sum, jnp.float32(n), metrics
         # RPO: a second term, the NLL over the chosen tokens, normalised by their count
-        nll_sum = -sum_c.sum()
         tokens = batch["chosen_loss_mask"].sum().astype(jnp.float32)
-        metrics["sft/chosen_nll"] = lax.stop_gradient(nll_sum / jnp.maximum(tokens, 1.0))
-        return (loss_sum, sft_weight * nll_sum), (jnp.float32(n), tokens), metrics
+        return ({"dpo": loss_sum, "sft": -sft_weight * sum_c.sum()}, {"dpo": jnp.float32(n), "sft": tokens},
+                metrics)
 
     return dpo_objective
 

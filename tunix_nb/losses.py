@@ -1,4 +1,4 @@
-"""Losses: distillation divergences, SFT token NLL and DPO, as pure functions on arrays.
+"""Losses: distillation divergences, SFT token NLL, DPO and GRPO, as pure functions on arrays.
 
 Every function takes logits or log-probs and a 0/1 `mask` (1 on the completion tokens
 that count), and works under `jax.jit`, `jax.vmap` and `jax.grad`. `logits[t]`
@@ -330,3 +330,249 @@ def check_nonempty_completions(mask_BxL, name):
             f"pair(s) {[int(i) for i in empty]} have an empty {name} completion: every "
             "pair needs at least one completion token; drop them or check the data"
         )
+
+
+# ------------------------------------------------------------------------------ GRPO
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "drgrpo")
+KL_ESTIMATORS = ("kl", "mse_kl", "low_var_kl")
+GRPO_AGGREGATIONS = (
+    "token-mean",
+    "sequence-mean-token-mean",
+    "sequence-mean-token-scale",
+    "sequence-mean-token-sum-norm",
+)
+# Bound on |logps - old_logps| before exp, as Tunix's grpo_loss_fn: exp(20) ~ 5e8 is
+# finite in float32, exp of a stale or garbage log-ratio might not be.
+GRPO_LOG_RATIO_CLAMP = 20.0
+
+
+def group_advantages(rewards, group_size, *, estimator="grpo"):
+    """Each completion's advantage over the other completions of its prompt: [N*G] -> [N*G].
+
+    `rewards_NG` holds G = `group_size` completions per prompt, consecutive (prompt 0's
+    G, then prompt 1's, ...). Per group, with mean m and sample std s (ddof=1):
+
+        "grpo":   (r - m) / (s + 1e-6)         GRPO (Shao et al. 2024)
+        "rloo":   r - mean of the OTHER G-1    REINFORCE leave-one-out; = G/(G-1) * (r - m)
+        "drgrpo": r - m                        Dr. GRPO (Liu et al. 2025): no std division
+
+    A group whose rewards are all equal gets advantage 0 under every estimator: it
+    carries no learning signal (the `frac_reward_zero_std` metric counts such groups).
+
+    These are Tunix's registered estimators "grpo", "rloo" and "drgrpo" (algo_core.py),
+    epsilon included. TRL's GRPOTrainer adds 1e-4, not 1e-6, to the std
+    (`scale_rewards="group"`; "none" is Dr. GRPO's r - m), and its RLOOTrainer computes
+    the same leave-one-out baseline. Tunix's "rloo" returns zeros for G < 2; here G < 2
+    is an error, as GRPOConfig's `num_generations > 1` check is in Tunix.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    if not isinstance(group_size, numbers.Integral) or group_size < 2:
+        raise ValueError(
+            f"group_size must be an int >= 2, got {group_size!r}: an advantage compares a "
+            "completion with the other completions of its prompt, so sample at least 2 per prompt"
+        )
+    rewards_NG = _as_float(rewards)
+    if rewards_NG.ndim != 1 or rewards_NG.shape[0] % group_size:
+        raise ValueError(
+            f"rewards has shape {rewards_NG.shape} but must be [N * group_size] with "
+            f"group_size={group_size}: one reward per completion, each prompt's "
+            f"{group_size} completions consecutive"
+        )
+    r_NxG = rewards_NG.reshape(-1, group_size)
+    mean_Nx1 = jnp.mean(r_NxG, axis=1, keepdims=True)
+    if estimator == "grpo":
+        std_Nx1 = jnp.std(r_NxG, axis=1, ddof=1, keepdims=True)
+        adv_NxG = (r_NxG - mean_Nx1) / (std_Nx1 + 1e-6)
+    elif estimator == "rloo":
+        others_mean_NxG = (jnp.sum(r_NxG, axis=1, keepdims=True) - r_NxG) / (group_size - 1)
+        adv_NxG = r_NxG - others_mean_NxG
+    else:
+        adv_NxG = r_NxG - mean_Nx1
+    return adv_NxG.reshape(-1)
+
+
+def _check_grpo_args(ref_logps, epsilon, epsilon_high, beta, kl_estimator, aggregation,
+                     max_completion_length):
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if aggregation not in GRPO_AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {GRPO_AGGREGATIONS}, got {aggregation!r}")
+    _check_positive("epsilon", epsilon)
+    if epsilon_high is not None:
+        _check_positive("epsilon_high", epsilon_high)
+    if isinstance(beta, numbers.Real) and beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if ref_logps is None and not (isinstance(beta, numbers.Real) and beta == 0):
+        raise ValueError(
+            f"ref_logps is None but beta={beta!r}: the KL penalty needs the reference "
+            "model's per-token log-probs; pass ref_logps, or set beta=0 to train without it"
+        )
+    if max_completion_length is not None:
+        if aggregation != "sequence-mean-token-scale":
+            raise ValueError(
+                "max_completion_length applies only to aggregation='sequence-mean-token-scale', "
+                f"not {aggregation!r}: drop it, or choose that aggregation"
+            )
+        _check_positive("max_completion_length", max_completion_length)
+
+
+def _check_grpo_shapes(logps, old_logps, ref_logps, advantages, mask):
+    """Shapes are static: a ValueError at trace time naming every shape involved."""
+    named = {"logps": logps, "old_logps": old_logps, "ref_logps": ref_logps, "mask": mask}
+    shapes = {k: jnp.shape(v) for k, v in named.items() if v is not None}
+    adv_shape = jnp.shape(advantages)
+    token_shape = shapes["logps"]
+    same = all(s == token_shape for s in shapes.values())
+    if len(token_shape) != 2 or not same or adv_shape != token_shape[:1]:
+        listed = ", ".join(f"{k} {s}" for k, s in shapes.items())
+        raise ValueError(
+            f"grpo_loss got {listed}, advantages {adv_shape}: logps, old_logps, ref_logps and "
+            "mask must all be [B, L] (one entry per completion token) and advantages [B] "
+            "(one per completion)"
+        )
+
+
+def _per_token_kl(logps_BxL, ref_logps_BxL, kl_estimator):
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs.
+
+    "kl" is k1 = log(pi/ref) (unbiased, high variance, can be negative); "mse_kl" is
+    k2 = (log(pi/ref))^2 / 2 (biased, low variance); "low_var_kl" is k3 = ref/pi -
+    log(ref/pi) - 1 (unbiased, low variance, >= 0). Schulman, "Approximating KL
+    divergence" (2020).
+    """
+    d_BxL = logps_BxL - ref_logps_BxL
+    if kl_estimator == "kl":
+        return d_BxL
+    if kl_estimator == "mse_kl":
+        return 0.5 * d_BxL**2
+    return jnp.exp(-d_BxL) + d_BxL - 1.0
+
+
+def _aggregate(per_token_BxL, mask_BxL, aggregation, max_completion_length):
+    """(sum, weight) of a per-token loss, so that shards' sums and weights add up."""
+    tokens_B = jnp.sum(mask_BxL, axis=-1)
+    row_sums_B = jnp.sum(per_token_BxL * mask_BxL, axis=-1)
+    nonempty_rows = jnp.sum(tokens_B > 0).astype(jnp.float32)
+    if aggregation == "token-mean":
+        return jnp.sum(row_sums_B), jnp.sum(tokens_B)
+    if aggregation == "sequence-mean-token-mean":
+        # max(count, 1): an empty row adds 0 to the sum and 0 to the weight.
+        return jnp.sum(row_sums_B / jnp.maximum(tokens_B, 1.0)), nonempty_rows
+    if aggregation == "sequence-mean-token-scale":
+        # A fixed divisor for every row, so a long answer is not down-weighted per token.
+        scale = max_completion_length or per_token_BxL.shape[-1]
+        return jnp.sum(row_sums_B) / scale, nonempty_rows
+    return jnp.sum(row_sums_B), jnp.float32(per_token_BxL.shape[0])
+
+
+def grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    *,
+    epsilon=0.2,
+    epsilon_high=None,
+    beta=0.04,
+    kl_estimator="low_var_kl",
+    aggregation="sequence-mean-token-mean",
+    max_completion_length=None,
+):
+    """The clipped GRPO objective with a KL penalty -> (loss_sum, weight, metrics).
+
+    Shapes: logps_BxL (the policy being trained; gradients flow through it only),
+    old_logps_BxL (the policy that sampled the completions; None means the policy
+    itself, ratio = 1 with its gradient, as Tunix and TRL do when num_iterations == 1),
+    ref_logps_BxL (the frozen reference; may be None when beta == 0), advantages_B
+    (`group_advantages`), mask_BxL (1 on completion tokens). The loss is
+    `loss_sum / weight`; callers psum both across devices and micro-batches and divide
+    once, by max(weight, 1) as `train.make_step` does, so an all-empty mask gives
+    loss 0. Per token, with A the row's advantage:
+
+        log_ratio = clip(logps - old_logps, -20, 20);  ratio = exp(log_ratio)
+        policy    = max(-A * ratio, -A * clip(ratio, 1 - epsilon, 1 + epsilon_high))
+        loss      = policy + beta * kl(logps, ref_logps)      (kl_estimator, see _per_token_kl)
+
+    `epsilon_high=None` means `epsilon` (DAPO's clip-higher sets it larger). Positions
+    where mask == 0 may hold anything (padding, -inf): they are set to 0 before any
+    arithmetic, so they reach neither the loss nor its gradient.
+
+    aggregation -> (loss_sum, weight):
+        "token-mean":                   sum over masked tokens, number of masked tokens
+        "sequence-mean-token-mean":     sum of each row's token mean, number of non-empty rows
+        "sequence-mean-token-scale":    sum over masked tokens / max_completion_length
+                                        (default L), number of non-empty rows
+        "sequence-mean-token-sum-norm": sum over masked tokens, B
+
+    metrics (means over this call's masked tokens; 0 when there are none):
+        "kl": the per-token KL estimate whatever beta (0 when ref_logps is None);
+        "clip_ratio": fraction of tokens where the clipped term is the larger (the
+            gradient is cut); "clip_ratio/low_mean", "clip_ratio/high_mean" split it
+            into ratio < 1 - epsilon with A < 0, and ratio > 1 + epsilon_high with A > 0;
+        "is_ratio/mean": mean of ratio (1 on-policy).
+
+    Against the references (Tunix `rl/algo_core.py` grpo_loss_fn + `rl/common.py`
+    aggregate_loss; TRL `GRPOTrainer._compute_loss`):
+    - Tunix: the same per-token terms, the +-20 clamp, the same KL estimators and the
+      same four aggregations with the same sums and denominators (Tunix's loss_agg_mode
+      names; its fifth, "seq-mean-token-sum", is left out). Tunix aggregates the policy
+      and KL terms separately and adds the sums, which is the same by linearity; its
+      WeightedMetric divides by max(denominator, min_denom) at the end. Its GRPOConfig
+      defaults to kl_loss_mode="kl"; this function defaults to "low_var_kl", TRL's only estimator.
+      Not here: Tunix's dual-clip (epsilon_c), gspo-token, kl_clamp_value, and the
+      sampler importance weights.
+    - TRL: TRL does not clamp the log-ratio, and always uses "low_var_kl". Its loss
+      types map to aggregations: "grpo" -> "sequence-mean-token-mean", but TRL averages
+      row means over all B rows, empty ones included (here: non-empty rows, as Tunix);
+      "bnpo" and "dapo" -> "token-mean" (dapo's weight is the global token count, which
+      is what the psum of weights gives); "dr_grpo" -> "sequence-mean-token-scale", but
+      TRL divides by B * max_completion_length with every row counted (here: non-empty
+      rows). With no empty rows they agree. TRL's "clip_ratio/region_mean" is
+      "clip_ratio" here (the same tokens), and TRL logs "kl" only when beta != 0.
+      Not here: importance_sampling_level="sequence" (GSPO), two-sided clipping (delta),
+      cispo/sapo/vespo/luspo, use_bias_correction_kl.
+    """
+    _check_grpo_args(ref_logps, epsilon, epsilon_high, beta, kl_estimator, aggregation,
+                     max_completion_length)
+    _check_grpo_shapes(logps, old_logps, ref_logps, advantages, mask)
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    sg = jax.lax.stop_gradient  # rollouts, the reference and advantages are data, not parameters
+    mask_BxL = sg(_as_float(mask))
+    live_BxL = mask_BxL != 0
+
+    def clean(x):  # the double-where: masked garbage gives neither NaN values nor NaN grads
+        return jnp.where(live_BxL, _as_float(x), 0.0)
+
+    logps_BxL = clean(logps)
+    old_BxL = sg(logps_BxL if old_logps is None else clean(old_logps))
+    adv_Bx1 = sg(_as_float(advantages))[:, None]
+
+    log_ratio_BxL = jnp.clip(logps_BxL - old_BxL, -GRPO_LOG_RATIO_CLAMP, GRPO_LOG_RATIO_CLAMP)
+    ratio_BxL = jnp.exp(log_ratio_BxL)
+    unclipped_BxL = -adv_Bx1 * ratio_BxL
+    clipped_BxL = -adv_Bx1 * jnp.clip(ratio_BxL, 1.0 - epsilon, 1.0 + eps_high)
+    per_token_BxL = jnp.maximum(unclipped_BxL, clipped_BxL)
+
+    if ref_logps is None:
+        kl_BxL = jnp.zeros_like(logps_BxL)
+    else:
+        kl_BxL = _per_token_kl(logps_BxL, sg(clean(ref_logps)), kl_estimator)
+        if not (isinstance(beta, numbers.Real) and beta == 0):
+            per_token_BxL = per_token_BxL + beta * kl_BxL
+
+    loss_sum, weight = _aggregate(per_token_BxL, mask_BxL, aggregation, max_completion_length)
+
+    def token_mean(x_BxL):
+        return sg(_masked_mean(x_BxL.astype(jnp.float32), mask_BxL))
+
+    metrics = {
+        "kl": token_mean(kl_BxL),
+        "clip_ratio": token_mean(clipped_BxL > unclipped_BxL),
+        "clip_ratio/low_mean": token_mean((ratio_BxL < 1.0 - epsilon) & (adv_Bx1 < 0)),
+        "clip_ratio/high_mean": token_mean((ratio_BxL > 1.0 + eps_high) & (adv_Bx1 > 0)),
+        "is_ratio/mean": token_mean(ratio_BxL),
+    }
+    return loss_sum, weight.astype(jnp.float32), metrics

@@ -70,6 +70,21 @@ def rope(x_BxLxHxD: jax.Array, positions_BxL: jax.Array, base: float) -> jax.Arr
     return rotated.astype(x_BxLxHxD.dtype)
 
 
+def attend(q_BxLxHxD, k_BxSxHxD, v_BxSxHxD, allowed_BxLxS):
+    """Each query's softmax-weighted mix of the values whose keys it may see -> [B, L, H, D].
+
+    The one copy of the attention math: the full forward pass (S = L) and decoding
+    against a key/value cache (S = cache length) both call it.
+    """
+    # Scores and softmax in float32: bfloat16 softmax loses the small weights.
+    scores_BxHxLxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxD, k_BxSxHxD).astype(jnp.float32)
+    scores_BxHxLxS = scores_BxHxLxS / jnp.sqrt(q_BxLxHxD.shape[-1])
+    # A large finite value, not -inf: a row with no allowed key stays finite.
+    scores_BxHxLxS = jnp.where(allowed_BxLxS[:, None], scores_BxHxLxS, -1e9)
+    weights = jax.nn.softmax(scores_BxHxLxS, axis=-1).astype(v_BxSxHxD.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v_BxSxHxD)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -79,21 +94,23 @@ class Attention(nnx.Module):
         self.v = linear(cfg.d_model, cfg.d_model)
         self.out = linear(cfg.d_model, cfg.d_model)
 
-    def __call__(self, x_BxLxD, positions_BxL, allowed_BxLxL):
+    def __call__(self, x_BxLxD, positions_BxL, allowed_BxLxS, cache=None, index=None):
+        """(output [B, L, D], cache). Without a cache the L tokens attend to each other
+        (S = L); with one, their keys and values are written into the cache's slots
+        [index, index + L) and the queries attend to all S slots (`allowed` says which)."""
         B, L, D = x_BxLxD.shape
         H = self.cfg.n_heads
         heads = lambda t: t.reshape(B, L, H, D // H)
         q = rope(heads(self.q(x_BxLxD)), positions_BxL, self.cfg.rope_base)
         k = rope(heads(self.k(x_BxLxD)), positions_BxL, self.cfg.rope_base)
         v = heads(self.v(x_BxLxD))
-        # Scores and softmax in float32: bfloat16 softmax loses the small weights.
-        scores_BxHxLxL = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        scores_BxHxLxL = scores_BxHxLxL / jnp.sqrt(D // H)
-        # A large finite value, not -inf: a row with no allowed key stays finite.
-        scores_BxHxLxL = jnp.where(allowed_BxLxL[:, None], scores_BxHxLxL, -1e9)
-        weights = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(v.dtype)
-        mixed_BxLxHxD = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        return self.out(mixed_BxLxHxD.reshape(B, L, D))
+        if cache is not None:
+            at = (0, index, 0, 0)
+            cache = {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
+                     "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)}
+            k, v = cache["k"], cache["v"]
+        mixed_BxLxHxD = attend(q, k, v, allowed_BxLxS)
+        return self.out(mixed_BxLxHxD.reshape(B, L, D)), cache
 
 
 class GatedMLP(nnx.Module):
@@ -114,9 +131,11 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
         self.mlp = GatedMLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BxLxD, positions_BxL, allowed_BxLxL):
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, allowed_BxLxL)
-        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+    def __call__(self, x_BxLxD, positions_BxL, allowed_BxLxS, cache=None, index=None):
+        """(output [B, L, D], cache): see `Attention`."""
+        mixed_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), positions_BxL, allowed_BxLxS, cache, index)
+        x_BxLxD = x_BxLxD + mixed_BxLxD
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), cache
 
 
 class Transformer(nnx.Module):
@@ -139,11 +158,48 @@ class Transformer(nnx.Module):
         L = tokens_BxL.shape[1]
         causal_LxL = jnp.tril(jnp.ones((L, L), bool))
         allowed_BxLxL = causal_LxL[None] & real_BxL[:, None, :]
+        return self._run(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
+
+    def _run(self, tokens_BxL, positions_BxL, allowed_BxLxS, caches=None, index=None):
+        """(logits [B, L, V] float32, the caches with these tokens written in, or None)."""
         x = self.embed(tokens_BxL)
-        for block in self.blocks:
-            x = block(x, positions_BxL, allowed_BxLxL)
+        caches = [None] * len(self.blocks) if caches is None else list(caches)
+        for i, block in enumerate(self.blocks):
+            x, caches[i] = block(x, positions_BxL, allowed_BxLxS, caches[i], index)
         # Tied output embedding; logits in float32 for the losses.
-        return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+        logits = self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+        return logits, None if caches[0] is None else caches
+
+    def init_cache(self, batch_size: int, max_len: int) -> dict:
+        """An empty key/value cache of `max_len` slots per row, in the compute dtype.
+
+        {"layers": [{"k", "v": [B, S, H, D]} per block], "mask": [B, S] (1 = slot holds a
+        real token)}.
+        """
+        cfg = self.cfg
+        dtype = cfg.dtype or self.embed.embedding[...].dtype
+        shape = (batch_size, max_len, cfg.n_heads, cfg.d_model // cfg.n_heads)
+        layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in self.blocks]
+        return {"layers": layers, "mask": jnp.zeros((batch_size, max_len), jnp.int32)}
+
+    def extend(self, tokens_BxL, attention_mask_BxL, cache, index):
+        """Run L new tokens against a cache holding slots [0, index): (logits [B, L, V], cache).
+
+        Writes the tokens into slots [index, index + L). Positions and masking are those
+        `__call__` gives the same tokens in one sequence (positions count real tokens, a
+        query sees itself and the real tokens before it), so prefill then decoding one
+        token at a time reproduces the full forward pass.
+        """
+        L, S = tokens_BxL.shape[1], cache["mask"].shape[1]
+        real_BxL = attention_mask_BxL.astype(jnp.int32)
+        # Slots >= index are still empty (0), so this counts the real tokens before index.
+        before_B = jnp.sum(cache["mask"], axis=-1)
+        positions_BxL = jnp.maximum(before_B[:, None] + jnp.cumsum(real_BxL, axis=-1) - 1, 0)
+        mask_BxS = jax.lax.dynamic_update_slice(cache["mask"], real_BxL, (0, index))
+        causal_LxS = jnp.arange(S)[None, :] <= index + jnp.arange(L)[:, None]
+        allowed_BxLxS = causal_LxS[None] & mask_BxS.astype(bool)[:, None, :]
+        logits, layers = self._run(tokens_BxL, positions_BxL, allowed_BxLxS, cache["layers"], index)
+        return logits, {"layers": layers, "mask": mask_BxS}
 
 
 def make_model(preset: str | ModelConfig = "student", *, seed: int = 0, **overrides) -> Transformer:
@@ -159,6 +215,16 @@ def split(model: Transformer):
 def apply(graphdef, params, tokens_BxL, attention_mask_BxL=None):
     """Pure forward pass: logits [B, L, V] from a parameter pytree."""
     return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL)
+
+
+def init_cache(graphdef, params, batch_size: int, max_len: int) -> dict:
+    """An empty key/value cache for `extend` (see `Transformer.init_cache`)."""
+    return nnx.merge(graphdef, params).init_cache(batch_size, max_len)
+
+
+def extend(graphdef, params, tokens_BxL, attention_mask_BxL, cache, index):
+    """Pure cached forward pass: (logits [B, L, V], cache) (see `Transformer.extend`)."""
+    return nnx.merge(graphdef, params).extend(tokens_BxL, attention_mask_BxL, cache, index)
 
 
 def count_params(params) -> int:

@@ -210,7 +210,6 @@ def dpo_loss_curve(h_N, beta: float, loss_type: str, label_smoothing: float = 0.
     """
     import jax.numpy as jnp
 
-    from tunix_nb import losses
 
     _check_dpo_args(beta, loss_type)
     h = np.asarray(h_N, dtype=np.float64)

@@ -7,8 +7,9 @@ from `tunix_nb.data.batch_at(seed, step)`.
 
 Every objective returns `(loss_sum, weight, metrics)`: the loss over the batch is
 `loss_sum / weight`. An objective with terms normalised by different counts (DPO's
-pair loss over pairs plus RPO's NLL over chosen tokens) returns tuples of loss sums
-and weights, one per term; the loss is then the sum of the terms' ratios. For SFT that is (NLL summed over completion tokens, number of
+pair loss over pairs plus RPO's NLL over chosen tokens) returns dicts of loss sums and
+weights, one entry per named term; the loss is the sum of the terms' ratios, and the
+step reports each as the metric `loss/<name>`, exact on any number of devices. For SFT that is (NLL summed over completion tokens, number of
 completion tokens); for per-example losses it is (sum over examples, examples). Under
 `pmap` and `shard_map` the step psums both before dividing, so the loss and the
 gradients are those of the *global* batch, exactly as on one device, however the
@@ -91,23 +92,28 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
             return as_terms(loss_sums), (as_terms(weights), metrics)
 
         loss_sums, pullback, (weights, metrics) = jax.vjp(local_terms, params, has_aux=True)
+        if set(weights) != set(loss_sums):
+            raise ValueError(f"The objective's loss sums {sorted(loss_sums)} and weights {sorted(weights)} must "
+                             "name the same terms.")
         if len(loss_sums) == 1:  # the usual case: one all-reduce of (sum, weight, grads), divide once
-            (grads,) = pullback((jnp.ones_like(loss_sums[0]),))
+            (grads,) = pullback({k: jnp.ones_like(v) for k, v in loss_sums.items()})
             loss_sums, weights, grads = all_reduce_sum((loss_sums, weights, grads))
-            weights = (jnp.maximum(weights[0], 1.0),)  # a batch with no completion tokens: no NaN
-            grads = jax.tree.map(lambda g: g / weights[0], grads)
+            weights = {k: jnp.maximum(w, 1.0) for k, w in weights.items()}  # no completion tokens: no NaN
+            (weight,) = weights.values()
+            grads = jax.tree.map(lambda g: g / weight, grads)
         else:  # terms over different counts: the global counts first, then the backward pass
             loss_sums, weights = all_reduce_sum((loss_sums, weights))
-            weights = tuple(jnp.maximum(w, 1.0) for w in weights)
+            weights = {k: jnp.maximum(w, 1.0) for k, w in weights.items()}
             # weights count data, not parameters: the gradient of sum_k loss_sum_k / weight_k
             # is the pullback of (1 / weight_k)_k
-            (grads,) = pullback(tuple(1.0 / w for w in weights))
+            (grads,) = pullback({k: 1.0 / w for k, w in weights.items()})
             grads = all_reduce_sum(grads)
+            metrics = {**metrics, **{f"loss/{k}": loss_sums[k] / weights[k] for k in loss_sums}}
         if axis is not None and all_reduce:
             metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        loss = sum(s / w for s, w in zip(loss_sums, weights))
+        loss = sum(loss_sums[k] / weights[k] for k in loss_sums)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
         return params, opt_state, metrics
 
@@ -119,9 +125,9 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     return MeshStep(step, mesh, parallel_mode, donate_argnums=donate_argnums)
 
 
-def as_terms(x) -> tuple:
-    """An objective's loss sum (or weight): one scalar, or a tuple of them, one per loss term."""
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+def as_terms(x) -> dict:
+    """An objective's loss sum (or weight): one scalar, or a dict of them, one per named term."""
+    return dict(x) if isinstance(x, dict) else {"loss": x}
 
 
 class MeshStep:

@@ -1,0 +1,162 @@
+"""Sampling with a key/value cache: prefill the prompt once, then decode token by token.
+
+`model.greedy_generate` reruns the whole model on a [B, P + T] buffer for every new
+token. Here the prompt runs once (prefill), writing every layer's keys and values into
+a cache of fixed shape [B, S, H, D]; each new token then runs alone against the cache
+(decode). Every shape is fixed up front and the decode loop is a `lax.fori_loop` inside
+one `jit`, so one compiled program serves every batch of the same shape.
+
+A rollout is a pure function of (params, prompts, key): the key of step t is
+`fold_in(key, t)`, so the same key gives the same completions, on any run. This is
+what Tunix's `Sampler` does (prefill, then a decode loop over a fixed-size cache, with
+temperature, top-k and top-p).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_nb import model as model_lib
+
+
+class Completions(NamedTuple):
+    """What `generate` returns; unpacks as `tokens, mask, log_probs = generate(...)`."""
+
+    tokens: jax.Array     # [B, T] int: the new tokens, pad after eos
+    mask: jax.Array       # [B, T] int32: 1 up to and including eos, 0 after it
+    log_probs: jax.Array  # [B, T] float32: log p(token) under the policy (see generate); 0 where mask is 0
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise a ValueError naming the fix for settings `sample_token` cannot use."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 (or None for no top-k filter), got {top_k!r}.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None for no top-p filter), got {top_p}.")
+
+
+def filter_logits(logits_BxV, *, top_k: int | None = None, top_p: float | None = None):
+    """Logits with every token outside the top-k, then outside the top-p nucleus, at -inf.
+
+    Top-p keeps the fewest most likely tokens whose probabilities sum to at least
+    `top_p` (always at least the most likely one), as Hugging Face and Tunix do.
+    """
+    if top_k is not None and top_k < logits_BxV.shape[-1]:
+        kth_B1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth_B1, -jnp.inf, logits_BxV)
+    if top_p is not None and top_p < 1:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        # a token stays if the tokens more likely than it sum to less than top_p
+        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+        kept_B = jnp.sum(before_BxV < top_p, axis=-1)
+        cutoff_B1 = jnp.take_along_axis(sorted_BxV, kept_B[:, None] - 1, axis=-1)
+        logits_BxV = jnp.where(logits_BxV < cutoff_B1, -jnp.inf, logits_BxV)
+    return logits_BxV
+
+
+def sample_token(logits_BxV, key, *, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None):
+    """One token per row [B]: argmax at temperature 0, else a draw from
+    softmax(filter_logits(logits / temperature))."""
+    if temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1)
+    scaled_BxV = logits_BxV.astype(jnp.float32) / temperature
+    return jax.random.categorical(key, filter_logits(scaled_BxV, top_k=top_k, top_p=top_p), axis=-1)
+
+
+def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             eos_id: int = 2, pad_id: int = 0, cache_size: int | None = None) -> Completions:
+    """Sample `max_new_tokens` tokens after left-padded prompts, with a KV cache.
+
+    Prompts are left-padded, as `data.prompt_arrays` makes them (every row's last prompt
+    token in the last column). Each row stops at its first eos and emits `pad_id` after
+    it. `temperature=0` is greedy decoding: exactly `model.greedy_generate`'s tokens.
+    `key` is ignored then; otherwise it alone decides the draws.
+
+    `log_probs` are the policy's own: log_softmax of the raw logits (temperature 1, no
+    top-k or top-p), the log-probs the training step computes for the same tokens (as
+    TRL and Tunix report them). At temperature != 1, or with top-k/top-p, they are not
+    the log-probs of the distribution the tokens were drawn from.
+
+    `cache_size` (default P + max_new_tokens) is the cache's slots per row; it must hold
+    the prompt and the new tokens.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if prompt_BxP.ndim != 2 or prompt_mask_BxP.shape != prompt_BxP.shape:
+        raise ValueError(f"prompt must be [batch, length] with a mask of the same shape; got "
+                         f"{prompt_BxP.shape} and {prompt_mask_BxP.shape}.")
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+    _check_left_padded(prompt_mask_BxP)
+    P, T = prompt_BxP.shape[1], int(max_new_tokens)
+    cache_size = P + T if cache_size is None else int(cache_size)
+    if P + T > cache_size:
+        raise ValueError(f"the prompt ({P} tokens) and max_new_tokens={T} need {P + T} cache slots, "
+                         f"but cache_size={cache_size}; raise cache_size to {P + T} or shorten the prompt.")
+    return _generate(graphdef, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), key,
+                     max_new_tokens=T, temperature=float(temperature),
+                     top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
+                     eos_id=eos_id, pad_id=pad_id, cache_size=cache_size)
+
+
+def _check_left_padded(prompt_mask_BxP) -> None:
+    """Decoding appends after the last column, so it must hold every row's last prompt token.
+
+    Checked when the mask is concrete; under an outer jit (traced mask) it is the caller's
+    promise.
+    """
+    if isinstance(prompt_mask_BxP, jax.core.Tracer):
+        return
+    last_B = np.asarray(prompt_mask_BxP)[:, -1]
+    if not last_B.all():
+        raise ValueError(f"prompts must be left-padded (the last column a real token in every row), as "
+                         f"data.prompt_arrays makes them; rows {np.flatnonzero(last_B == 0)[:5].tolist()} end "
+                         "in padding.")
+
+
+# eos_id and pad_id are traced: changing them does not recompile.
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
+                                             "cache_size"))
+def _generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tokens, temperature, top_k,
+              top_p, eos_id, pad_id, cache_size) -> Completions:
+    B, P = prompt_BxP.shape
+    T = max_new_tokens
+    cache = model_lib.init_cache(graphdef, params, B, cache_size)
+    logits_BxPxV, cache = model_lib.extend(graphdef, params, prompt_BxP, prompt_mask_BxP, cache, 0)  # prefill
+
+    def pick(t, logits_BxV, done_B):
+        """Token t of every row, its log-prob under the policy, and whether it counts."""
+        token_B = sample_token(logits_BxV, jax.random.fold_in(key, t), temperature=temperature,
+                               top_k=top_k, top_p=top_p).astype(prompt_BxP.dtype)
+        logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV, axis=-1), token_B[:, None], axis=-1)[:, 0]
+        token_B = jnp.where(done_B, pad_id, token_B)
+        return token_B, jnp.where(done_B, 0.0, logp_B), (~done_B).astype(jnp.int32)
+
+    def write(out, t, token_B, logp_B, real_B):
+        tokens, mask, logps = out
+        return tokens.at[:, t].set(token_B), mask.at[:, t].set(real_B), logps.at[:, t].set(logp_B)
+
+    out = (jnp.full((B, T), pad_id, prompt_BxP.dtype), jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.float32))
+    done_B = jnp.zeros((B,), bool)
+    token_B, logp_B, real_B = pick(0, logits_BxPxV[:, -1], done_B)
+    out = write(out, 0, token_B, logp_B, real_B)
+
+    def step(t, carry):  # decode: feed token t-1 (at slot P + t - 1), pick token t
+        cache, out, token_B, real_B, done_B = carry
+        done_B = done_B | (token_B == eos_id)
+        logits_Bx1xV, cache = model_lib.extend(graphdef, params, token_B[:, None], real_B[:, None], cache,
+                                               P + t - 1)
+        token_B, logp_B, real_B = pick(t, logits_Bx1xV[:, 0], done_B)
+        return cache, write(out, t, token_B, logp_B, real_B), token_B, real_B, done_B
+
+    _, out, _, _, _ = jax.lax.fori_loop(1, T, step, (cache, out, token_B, real_B, done_B))
+    return Completions(*out)
