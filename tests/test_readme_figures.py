@@ -116,7 +116,7 @@ FIGURES = [
        N06, r"2 processes x 4 devices vs 1 process x 8 devices: {}"),
     # ------------------------------------------------------------ the benchmark table
     bench("repeats per figure", "medians over {} repeats", "settings.repeats"),
-    bench("vmap_speedup_over_loop", "31x at B = 256) | {}x |", F + "vmap_speedup_over_loop.value"),
+    bench("vmap_speedup_over_loop", "{n}x at B = 256) | {}x |", F + "vmap_speedup_over_loop.value"),
     bench("vmap_speedup_over_loop batch size", "`vmap_speedup_over_loop` (B = {};",
           F + "vmap_speedup_over_loop.batch_size"),
     bench("loop / vmap at B = 1", "(B = 64; {}x at B = 1",
@@ -154,6 +154,10 @@ FIGURES = [
     bench("dpo_cached_ref_speedup target", "| `dpo_cached_ref_speedup` | {n} | ≥ {} |",
           F + "dpo_cached_ref_speedup.target"),
     bench("compile_share", "compile / step) | {} |", F + "compile_share.value"),
+    bench("kv_cache_decode_speedup", "{n}x at 128) | {}x |", F + "kv_cache_decode_speedup.value"),
+    bench("kv_cache_decode_speedup at 128 tokens", "answers; {}x at 128)", F + "kv_cache_decode_speedup.curve.128.speedup"),
+    bench("kv_cache_decode_speedup prompts", "(student, {} prompts, 8 new", F + "kv_cache_decode_speedup.batch_size"),
+    bench("kv_cache_decode_speedup new tokens", "prompts, {} new tokens: the task", F + "kv_cache_decode_speedup.new_tokens"),
     # ------------------------------------------------------------ the benchmark's prose
     bench("vmap loss's sequence length", "tiny ({} × {n} logits)", F + "vmap_speedup_over_loop.seq_len"),
     bench("vmap loss's vocabulary", "tiny ({n} × {} logits)", F + "vmap_speedup_over_loop.vocab"),
