@@ -321,3 +321,35 @@ def test_right_padded_prompts_are_refused(tiny):
     with pytest.raises(ValueError, match=r"must be left-padded .* rows \[1, 3\] end in padding"):
         sampler.generate(graphdef, params, prompt, mask.at[jnp.array([1, 3]), -1].set(0), jax.random.key(0),
                          max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------ one key per row
+
+
+def test_one_key_per_row_makes_a_row_independent_of_its_batch(tiny):
+    """Row i draws with its own key alone: 8 rows sampled at once equal the same rows
+    sampled in two halves (how data-parallel rollouts split them over devices), and
+    raw key data [B, 2] is the same keys."""
+    graphdef, params = tiny
+    prompt, mask = task_prompts(8)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(8))
+    kwargs = dict(max_new_tokens=8, top_k=50, eos_id=NO_EOS)
+    whole = sampler.generate(graphdef, params, prompt, mask, keys, **kwargs)
+    halves = [sampler.generate(graphdef, params, prompt[s], mask[s], keys[s], **kwargs)
+              for s in (slice(0, 4), slice(4, 8))]
+    np.testing.assert_array_equal(whole.tokens, np.concatenate([h.tokens for h in halves]))
+    np.testing.assert_allclose(whole.log_probs, np.concatenate([h.log_probs for h in halves]), atol=1e-6)
+    raw = sampler.generate(graphdef, params, prompt, mask, jax.random.key_data(keys), **kwargs)
+    np.testing.assert_array_equal(raw.tokens, whole.tokens)
+    # the rows draw different tokens from one another, and from the one-key mode
+    assert len({tuple(r) for r in np.asarray(whole.tokens).tolist()}) > 1
+    one_key = sampler.generate(graphdef, params, prompt, mask, jax.random.key(7), **kwargs)
+    assert not np.array_equal(one_key.tokens, whole.tokens)
+
+
+def test_a_key_batch_of_the_wrong_size_is_refused(tiny):
+    graphdef, params = tiny
+    prompt, mask = PROMPTS
+    keys = jax.random.split(jax.random.key(0), 3)
+    with pytest.raises(ValueError, match=r"pass one key \(shape \(\)\) or one key per row \(shape \(4,\)\)"):
+        sampler.generate(graphdef, params, prompt, mask, keys, max_new_tokens=4)

@@ -1,4 +1,4 @@
-"""`python -m tunix_nb.train`: SFT, distillation and DPO from the command line, resumable.
+"""`python -m tunix_nb.train`: SFT, distillation, DPO and GRPO from the command line, resumable.
 
 It saves the training state with Orbax every --save-every steps (in the background),
 and resumes on its own from the newest checkpoint in --ckpt-dir, to exactly the run an
@@ -8,8 +8,10 @@ from the flags given.
 
 Resuming, in detail:
 - Batches are a pure function of (--seed, step), and no step draws random numbers, so
-  the step is the whole data/RNG state. Each checkpoint also holds the run key folded
-  with its step (item `rng`), which the resumed run checks against its own.
+  the step is the whole data/RNG state. GRPO's rollouts do sample, with keys that are
+  a pure function of (--seed, step, row) (`grpo.rollout_keys`), so the same holds. Each
+  checkpoint also holds the run key folded with its step (item `rng`), which the
+  resumed run checks against its own.
 - A save killed midway leaves `<step>.orbax-checkpoint-tmp`, which is not a checkpoint;
   the resumed run ignores it and Orbax replaces it when it saves that step again.
 - If the newest checkpoint is damaged, the run warns (step and error), resumes from the
@@ -44,13 +46,26 @@ from tunix_nb import devices, distributed  # neither starts JAX on import
 # train.PARALLEL_MODES, spelled out: the parser is built before JAX may start.
 PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
 MESH_CHOICES = ("shard_map", "dp", "fsdp")  # parallel.MESH_MODES: the strategies that span processes
-COMMANDS = ("sft", "distill", "dpo")
+COMMANDS = ("sft", "distill", "dpo", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # as tunix_nb.losses.DPO_LOSS_TYPES, without importing JAX
+# as tunix_nb.losses.ADVANTAGE_ESTIMATORS, GRPO_AGGREGATIONS, KL_ESTIMATORS, and grpo.REWARD_FUNCTIONS
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "drgrpo")
+GRPO_AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
+                     "sequence-mean-token-sum-norm")
+KL_ESTIMATORS = ("kl", "mse_kl", "low_var_kl")
+REWARD_NAMES = ("exact_match", "char_match", "well_formed")
+# GRPO's defaults, as TRL's and Tunix's where they agree (beta 0.04, epsilon 0.2, G 8 as TRL)
+GRPO_DEFAULTS = {"group_size": 8, "beta": 0.04, "epsilon": 0.2, "advantage": "grpo",
+                 "aggregation": "sequence-mean-token-mean", "kl_estimator": "low_var_kl", "num_iterations": 1,
+                 "temperature": 1.0, "max_new_tokens": 8, "rewards": "exact_match,char_match"}
 # Flags that define a run: resuming with other values would be a different run.
 RUN_DEFINING = ("command", "model", "teacher", "init_from", "beta", "loss_type", "sft_weight",
                 "length_normalize", "steps", "batch_size", "seed", "learning_rate", "warmup_steps",
-                "compute_dtype")
-DEFAULT_LEARNING_RATE = {"sft": 3e-3, "distill": 3e-3, "dpo": 1e-3}
+                "compute_dtype", "group_size", "epsilon", "epsilon_high", "advantage", "aggregation",
+                "kl_estimator", "num_iterations", "temperature", "max_new_tokens", "rewards")
+DEFAULT_LEARNING_RATE = {"sft": 3e-3, "distill": 3e-3, "dpo": 1e-3, "grpo": 3e-4}
+GRPO_FLAGS = ("group_size", "epsilon", "epsilon_high", "advantage", "aggregation", "kl_estimator",
+              "num_iterations", "temperature", "max_new_tokens", "rewards")
 
 
 def _positive_int(text: str) -> int:
@@ -100,29 +115,59 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Resume an interrupted run by repeating its command: it continues from the newest "
                "checkpoint in --ckpt-dir.")
     parser.add_argument("command", choices=COMMANDS,
-                        help="what to train: sft (supervised fine-tuning), distill (from a teacher) "
-                             "or dpo (preference pairs, from an SFT checkpoint)")
+                        help="what to train: sft (supervised fine-tuning), distill (from a teacher), "
+                             "dpo (preference pairs, from an SFT checkpoint) or grpo (reinforcement "
+                             "learning with verifiable rewards, from an SFT checkpoint)")
     parser.add_argument("--model", help="model preset: tiny, student or teacher (default: student; "
-                        "dpo: the preset of the --init-from checkpoint)")
+                        "dpo, grpo: the preset of the --init-from checkpoint)")
     parser.add_argument("--teacher", help="distill: the teacher's checkpoint directory "
                         "(default: the teacher shipped in data/teacher)")
-    parser.add_argument("--init-from", help="dpo: the SFT checkpoint the policy and the frozen reference "
+    parser.add_argument("--init-from", help="dpo, grpo: the SFT checkpoint the policy and the frozen reference "
                         "start from (default: the SFT student shipped in data/sft_student)")
-    parser.add_argument("--beta", type=_positive_float,
-                        help="dpo: strength of the pull towards the reference (default: 0.1)")
+    parser.add_argument("--beta", type=_non_negative_float,
+                        help="dpo: strength of the pull towards the reference, > 0 (default: 0.1); grpo: "
+                             "weight of the KL penalty to the reference, 0 for none (default: 0.04)")
     parser.add_argument("--loss-type", choices=DPO_LOSS_TYPES,
                         help="dpo: sigmoid (DPO), ipo or hinge (SLiC) (default: sigmoid)")
     parser.add_argument("--sft-weight", type=_non_negative_float,
                         help="dpo: weight of an SFT term on the chosen answers (RPO) (default: 0)")
     parser.add_argument("--length-normalize", action="store_true", default=None,
                         help="dpo: compare per-token mean log-probs instead of sums (what IPO wants)")
-    parser.add_argument("--steps", type=_positive_int, default=300, help="total training steps")
+    grpo = parser.add_argument_group(
+        "grpo", "group relative policy optimisation: each step samples --group-size completions for each "
+        "of --batch-size prompts, scores them, and updates --num-iterations times on them")
+    grpo.add_argument("--group-size", type=_positive_int,
+                      help=f"completions per prompt, G >= 2 (default: {GRPO_DEFAULTS['group_size']})")
+    grpo.add_argument("--epsilon", type=_positive_float,
+                      help=f"clip range of the ratio, below 1 (default: {GRPO_DEFAULTS['epsilon']})")
+    grpo.add_argument("--epsilon-high", type=_positive_float,
+                      help="clip range above 1 (DAPO's clip-higher) (default: --epsilon)")
+    grpo.add_argument("--advantage", choices=ADVANTAGE_ESTIMATORS,
+                      help="group advantage: grpo (std-normalised), rloo (leave-one-out) or drgrpo "
+                           "(no std) (default: grpo)")
+    grpo.add_argument("--aggregation", choices=GRPO_AGGREGATIONS,
+                      help="how token losses become the loss (default: sequence-mean-token-mean, TRL's grpo; "
+                           "token-mean is DAPO's, sequence-mean-token-scale Dr. GRPO's)")
+    grpo.add_argument("--kl-estimator", choices=KL_ESTIMATORS,
+                      help="per-token KL estimate: kl (k1), mse_kl (k2), low_var_kl (k3) (default: low_var_kl)")
+    grpo.add_argument("--num-iterations", type=_positive_int,
+                      help="updates per rollout batch, Tunix's num_iterations (mu) (default: 1)")
+    grpo.add_argument("--temperature", type=_positive_float,
+                      help=f"sampling temperature, > 0 (default: {GRPO_DEFAULTS['temperature']})")
+    grpo.add_argument("--max-new-tokens", type=_positive_int,
+                      help=f"tokens sampled per completion (default: {GRPO_DEFAULTS['max_new_tokens']})")
+    grpo.add_argument("--rewards",
+                      help=f"comma-separated reward functions, summed: {', '.join(REWARD_NAMES)} "
+                           f"(default: {GRPO_DEFAULTS['rewards']})")
+    parser.add_argument("--steps", type=_positive_int, default=300,
+                        help="total training steps (grpo: rollouts, each followed by --num-iterations updates)")
     parser.add_argument("--batch-size", type=_positive_int, default=64,
-                        help="global batch size (examples, or pairs for dpo), split over the devices")
+                        help="global batch size (examples, pairs for dpo, prompts for grpo), split over the devices")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial params and the data order")
     parser.add_argument("--learning-rate", type=_positive_float,
-                        help="peak learning rate (default: 3e-3; dpo: 1e-3)")
-    parser.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: 10%% of --steps, at most 20)")
+                        help="peak learning rate (default: 3e-3; dpo: 1e-3; grpo: 3e-4)")
+    parser.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: 10%% of --steps, at most "
+                        "20; grpo: counted in rollouts, the schedule in updates)")
     parser.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: float32 on CPU, bfloat16 on TPU/GPU (params stay float32)")
     parser.add_argument("--ckpt-dir", help="where to save checkpoints; resumes from the newest one there")
@@ -159,11 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_flags(parser, args) -> None:
     """Flag combinations argparse cannot check on its own; fills in per-command defaults."""
-    only = {"teacher": "distill", "init_from": "dpo", "beta": "dpo", "loss_type": "dpo", "sft_weight": "dpo",
-            "length_normalize": "dpo"}
-    for name, command in only.items():
-        if getattr(args, name) is not None and args.command != command:
-            parser.error(f"--{name.replace('_', '-')} applies only to {command}, not {args.command}")
+    only = {"teacher": ("distill",), "init_from": ("dpo", "grpo"), "beta": ("dpo", "grpo"),
+            "loss_type": ("dpo",), "sft_weight": ("dpo",), "length_normalize": ("dpo",),
+            **{name: ("grpo",) for name in GRPO_FLAGS}}
+    for name, commands in only.items():
+        if getattr(args, name) is not None and args.command not in commands:
+            parser.error(f"--{name.replace('_', '-')} applies only to {' and '.join(commands)}, not {args.command}")
+    if args.command == "dpo" and args.beta is not None and not args.beta > 0:
+        parser.error(f"argument --beta: {args.beta} must be greater than 0")
+    if args.command == "grpo":
+        _check_grpo_flags(parser, args)
     if args.command == "dpo":
         args.beta = 0.1 if args.beta is None else args.beta
         args.loss_type = args.loss_type or "sigmoid"
@@ -189,9 +239,28 @@ def _check_flags(parser, args) -> None:
         if not 0 <= args.process_id < args.num_processes:
             parser.error(f"--process-id {args.process_id} must be in 0 ... {args.num_processes - 1}")
         args.distributed = True
+    if args.distributed and args.command == "grpo":
+        parser.error("grpo runs in one process (its rewards are computed on one host); drop --distributed "
+                     "and the process flags, and use --devices with any --parallel")
     if args.distributed and args.parallel not in MESH_CHOICES:
         parser.error(f"--parallel {args.parallel} runs within one process; with several processes use "
                      f"one of {', '.join(MESH_CHOICES)}")
+
+
+def _check_grpo_flags(parser, args) -> None:
+    """Fill in GRPO's defaults, and refuse settings that cannot train."""
+    for name, default in GRPO_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.group_size < 2:
+        parser.error(f"--group-size {args.group_size} must be at least 2: an advantage compares a completion "
+                     "with the other completions of its prompt")
+    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REWARD_NAMES]
+    if not names or unknown or len(set(names)) != len(names):
+        parser.error(f"--rewards {args.rewards!r}: give distinct names from {', '.join(REWARD_NAMES)}, "
+                     "separated by commas")
+    args.rewards = ",".join(names)
 
 
 class RunError(Exception):
@@ -221,6 +290,17 @@ class RunConfig:
     learning_rate: float
     warmup_steps: int
     compute_dtype: str
+    # grpo only (None for the other commands)
+    group_size: int | None = None
+    epsilon: float | None = None
+    epsilon_high: float | None = None
+    advantage: str | None = None
+    aggregation: str | None = None
+    kl_estimator: str | None = None
+    num_iterations: int | None = None
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    rewards: str | None = None
 
     def clashes_with(self, saved: dict) -> dict:
         """{field: (saved, given)} for every run-defining field that differs from a saved config."""
@@ -237,6 +317,9 @@ class Method:
     rows: dict
     objective: object
     frozen: object = None
+    # on-policy methods (grpo): (parallel_mode, mesh) -> rollout_fn for train.run_on_policy;
+    # `frozen` is then the reference the rollout scores with
+    make_rollout: object = None
 
 
 def resolve_config(args) -> RunConfig:
@@ -247,7 +330,7 @@ def resolve_config(args) -> RunConfig:
     preset = args.model
     if args.command == "distill":
         teacher = args.teacher or str(data.DATA_DIR / "teacher")
-    if args.command == "dpo":
+    if args.command in ("dpo", "grpo"):
         init_from = args.init_from or str(data.DATA_DIR / "sft_student")
         try:
             init_model = checkpoint.model_preset(checkpoint.load_meta(init_from), "The --init-from checkpoint")
@@ -267,7 +350,8 @@ def resolve_config(args) -> RunConfig:
                      beta=args.beta, loss_type=args.loss_type, sft_weight=args.sft_weight,
                      length_normalize=args.length_normalize, steps=args.steps, batch_size=args.batch_size,
                      seed=args.seed, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                     compute_dtype=compute_dtype)
+                     compute_dtype=compute_dtype,
+                     **{name: getattr(args, name) for name in GRPO_FLAGS if args.command == "grpo"})
 
 
 def check_devices(config: RunConfig, parallel_mode: str) -> None:
@@ -299,7 +383,7 @@ def open_checkpoints(args, config: RunConfig):
 
 def build_method(config: RunConfig) -> Method:
     """The model, data rows, objective and frozen parameters of `config.command`."""
-    from tunix_nb import checkpoint, data, distill, dpo, model, precision, sft
+    from tunix_nb import checkpoint, data, distill, dpo, grpo, model, precision, rewards, sft
     from tunix_nb.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()
@@ -315,6 +399,24 @@ def build_method(config: RunConfig) -> Method:
                                   sft_weight=config.sft_weight, length_normalize=config.length_normalize,
                                   compute_dtype=dtype)
         return Method(graphdef, params, rows, objective)
+    if config.command == "grpo":  # the policy starts from the SFT checkpoint, which stays as the reference
+        params = checkpoint.params_into(params, checkpoint.load_params(config.init_from))
+        examples = data.load_sft()
+        reward_set = rewards.combine([grpo.REWARD_FUNCTIONS[n] for n in config.rewards.split(",")])
+        objective = grpo.objective(graphdef, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+                                   beta=config.beta, kl_estimator=config.kl_estimator,
+                                   aggregation=config.aggregation, compute_dtype=dtype)
+
+        def make_rollout(parallel_mode, mesh):
+            return grpo.make_rollout(graphdef, examples, reward_set, batch_size=config.batch_size,
+                                     group_size=config.group_size, seed=config.seed, estimator=config.advantage,
+                                     num_iterations=config.num_iterations, beta=config.beta,
+                                     max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                     compute_dtype=dtype, parallel_mode=parallel_mode, mesh=mesh,
+                                     tokenizer=tokenizer)
+
+        return Method(graphdef, params, grpo.prompt_rows(examples, tokenizer), objective,
+                      frozen=params if config.beta > 0 else None, make_rollout=make_rollout)
     rows = data.sft_arrays(data.load_sft(), tokenizer, data.DEFAULT_SEQ_LEN)
     if config.command == "sft":
         return Method(graphdef, params, rows, sft.objective(graphdef, compute_dtype=dtype))
@@ -421,6 +523,7 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, m
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    rollout_fn = None if method.make_rollout is None else method.make_rollout(args.parallel, mesh)
     params = method.params
     progress = sys.stderr.isatty() and distributed.is_main_process()
     stop = config.steps if args.stop_after is None else args.stop_after
@@ -429,10 +532,14 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, m
         chunk = min(args.save_every - step % args.save_every, stop - step)
         # under pmap train.run hands back one (unreplicated) copy; on a mesh the state stays
         # placed, and every process saves its own shards of it
-        params, opt_state, _ = train.run(step_fn, params, opt_state, batch_fn, steps=chunk, start_step=step,
-                                         parallel_mode=args.parallel, frozen=method.frozen,
-                                         desc=f"{config.command} {step}->{step + chunk}", progress=progress,
-                                         on_step=log, keep_placement=mesh is not None)
+        common = dict(steps=chunk, start_step=step, parallel_mode=args.parallel, progress=progress, on_step=log,
+                      desc=f"{config.command} {step}->{step + chunk}", keep_placement=mesh is not None)
+        if rollout_fn is None:
+            params, opt_state, _ = train.run(step_fn, params, opt_state, batch_fn, frozen=method.frozen, **common)
+        else:  # on-policy: each step samples its batch with the current params
+            params, opt_state, _ = train.run_on_policy(step_fn, params, opt_state, rollout_fn,
+                                                       num_iterations=config.num_iterations,
+                                                       reference=method.frozen, **common)
         step += chunk
         if manager is not None:
             checkpoint.save(manager, step, params=params, opt_state=opt_state,
@@ -470,8 +577,10 @@ def main(argv=None) -> int:
         n_rows = len(next(iter(method.rows.values())))
         if config.batch_size > n_rows:
             raise FlagError(f"--batch-size {config.batch_size} is larger than the {n_rows} training examples")
+        updates = config.num_iterations or 1  # grpo: the schedule counts updates, mu per step
         optimizer = train.make_optimizer(train.OptimizerConfig(
-            learning_rate=config.learning_rate, warmup_steps=config.warmup_steps, total_steps=config.steps))
+            learning_rate=config.learning_rate, warmup_steps=config.warmup_steps * updates,
+            total_steps=config.steps * updates))
         mesh = parallel.make_mesh() if args.parallel in MESH_CHOICES else None  # every process's devices
         step_fn = train.make_step(method.objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh)
         run_key = jax.random.key(config.seed)

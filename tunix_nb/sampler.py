@@ -7,7 +7,10 @@ a cache of fixed shape [B, S, H, D]; each new token then runs alone against the 
 one `jit`, so one compiled program serves every batch of the same shape.
 
 A rollout is a pure function of (params, prompts, key): the key of step t is
-`fold_in(key, t)`, so the same key gives the same completions, on any run. This is
+`fold_in(key, t)`, so the same key gives the same completions, on any run. With one
+key per row (`key` of shape [B]) row i draws from its own key alone, so its completion
+does not depend on which other rows share its batch, or its device (GRPO's data-parallel
+rollouts, `tunix_nb.grpo`). This is
 what Tunix's `Sampler` does (prefill, then a decode loop over a fixed-size cache, with
 temperature, top-k and top-p).
 """
@@ -80,7 +83,10 @@ def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_toke
     Prompts are left-padded, as `data.prompt_arrays` makes them (every row's last prompt
     token in the last column). Each row stops at its first eos and emits `pad_id` after
     it. `temperature=0` is greedy decoding: exactly `model.greedy_generate`'s tokens.
-    `key` is ignored then; otherwise it alone decides the draws.
+    `key` is ignored then; otherwise it alone decides the draws. `key` is one key
+    (`jax.random.key(0)`, or a raw `PRNGKey`), or one key per row: typed keys of shape
+    [B] (or raw key data [B, 2]); then row i's token t is drawn with `fold_in(key[i], t)`,
+    so a row's completion is the same whichever rows it is sampled with.
 
     `log_probs` are the policy's own: log_softmax of the raw logits (temperature 1, no
     top-k or top-p), the log-probs the training step computes for the same tokens (as
@@ -97,6 +103,7 @@ def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_toke
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
     _check_left_padded(prompt_mask_BxP)
+    key = _row_keys_or_key(key, prompt_BxP.shape[0])
     P, T = prompt_BxP.shape[1], int(max_new_tokens)
     cache_size = P + T if cache_size is None else int(cache_size)
     if P + T > cache_size:
@@ -106,6 +113,19 @@ def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_toke
                      max_new_tokens=T, temperature=float(temperature),
                      top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
                      eos_id=eos_id, pad_id=pad_id, cache_size=cache_size)
+
+
+def _row_keys_or_key(key, batch_size: int):
+    """`key` as given when it is one key; typed keys [B] when it holds one key per row."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed and key.ndim == 2:  # raw key data, one [2] row per batch row
+        key = jax.random.wrap_key_data(key)
+        typed = True
+    if typed and key.shape not in ((), (batch_size,)):
+        raise ValueError(f"key has shape {key.shape}: pass one key (shape ()) or one key per row (shape "
+                         f"({batch_size},)) for the {batch_size} prompts.")
+    return key
 
 
 def _check_left_padded(prompt_mask_BxP) -> None:
@@ -133,10 +153,18 @@ def _generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tok
     cache = model_lib.init_cache(graphdef, params, B, cache_size)
     logits_BxPxV, cache = model_lib.extend(graphdef, params, prompt_BxP, prompt_mask_BxP, cache, 0)  # prefill
 
+    sample = functools.partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
+    row_keys = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
+
+    def draw(t, logits_BxV):
+        if not row_keys:  # one key for the batch
+            return sample(logits_BxV, jax.random.fold_in(key, t))
+        # one key per row: row i sees only its own logits and fold_in(key[i], t)
+        return jax.vmap(lambda logits_V, k: sample(logits_V[None], jax.random.fold_in(k, t))[0])(logits_BxV, key)
+
     def pick(t, logits_BxV, done_B):
         """Token t of every row, its log-prob under the policy, and whether it counts."""
-        token_B = sample_token(logits_BxV, jax.random.fold_in(key, t), temperature=temperature,
-                               top_k=top_k, top_p=top_p).astype(prompt_BxP.dtype)
+        token_B = draw(t, logits_BxV).astype(prompt_BxP.dtype)
         logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV, axis=-1), token_B[:, None], axis=-1)[:, 0]
         token_B = jnp.where(done_B, pad_id, token_B)
         return token_B, jnp.where(done_B, 0.0, logp_B), (~done_B).astype(jnp.int32)

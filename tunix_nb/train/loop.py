@@ -1,7 +1,9 @@
-"""The training loop every method shares: place the state, feed step-indexed batches, record metrics."""
+"""The training loops every method shares: place the state, feed batches (step-indexed, or sampled
+by the policy itself: `run_on_policy`), record metrics."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import jax
@@ -31,50 +33,16 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     `eval_fn(params)` (params on one device) adds its metrics (e.g. "eval/loss") to
     that step's dict. A tqdm progress bar shows the loss.
     """
-    if parallel_mode not in PARALLEL_MODES:
-        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
-    built_for = getattr(step_fn, "parallel_mode", parallel_mode)
-    if built_for != parallel_mode:
-        raise ValueError(f"The step was built for parallel_mode={built_for!r} but run() was given "
-                         f"{parallel_mode!r}; pass the same mode to make_step and run.")
-    on_mesh = parallel_mode in parallel.MESH_MODES
-    if jax.process_count() > 1 and not on_mesh:
-        raise ValueError(f"parallel_mode={parallel_mode!r} runs within one process, but this is process "
-                         f"{jax.process_index()} of {jax.process_count()}; use one of {parallel.MESH_MODES}.")
-    if keep_placement and not on_mesh:
-        raise ValueError(f"keep_placement=True applies to the mesh strategies {parallel.MESH_MODES}, "
-                         f"not {parallel_mode!r}.")
-    mesh = (getattr(step_fn, "mesh", None) or parallel.make_mesh()) if on_mesh else None
-    n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
-    if parallel_mode == "pmap":
-        params, opt_state, frozen = parallel.replicate((params, opt_state, frozen), n_devices)
-    elif on_mesh:  # copies, placed as the strategy wants them
-        params, opt_state, frozen = parallel.place_state((params, opt_state, frozen), mesh, parallel_mode)
-    else:  # a donating step deletes its inputs: keep the caller's arrays alive
-        params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
-
-    def on_one_device(tree):
-        if parallel_mode == "pmap":
-            return parallel.unreplicate(tree)
-        return parallel.gather(tree) if on_mesh else tree
+    place = Placement(step_fn, parallel_mode, keep_placement, caller="run()")
+    params, opt_state, frozen = place.state(params, opt_state, frozen)
+    on_one_device = place.on_one_device
 
     history = []
     bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
     for step in bar:
-        batch = batch_fn(step)
-        if parallel_mode == "pmap":
-            batch = parallel.shard_batch(batch, n_devices)
-        elif on_mesh:
-            batch = parallel.place_batch(batch, mesh)
-        params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
-        if parallel_mode == "pmap":
-            metrics = parallel.unreplicate(metrics)
-        record = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
-        if not np.isfinite(record["loss"]):
-            raise FloatingPointError(
-                f"Loss became {record['loss']} at step {step + 1}; lower the learning rate "
-                "or check the batch (every row needs completion tokens)."
-            )
+        params, opt_state, metrics = step_fn(params, opt_state, place.batch(batch_fn(step)), frozen)
+        record = {"step": step + 1, **place.metrics(metrics)}
+        _check_finite(record)
         if eval_fn is not None and eval_every and (step + 1) % eval_every == 0:
             record.update(eval_fn(on_one_device(params)))
         history.append(record)
@@ -83,4 +51,117 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
             on_step(step + 1, record)
     if not keep_placement:
         params, opt_state = on_one_device((params, opt_state))
+    return params, opt_state, history
+
+
+def _check_finite(record):
+    if not np.isfinite(record["loss"]):
+        raise FloatingPointError(
+            f"Loss became {record['loss']} at step {record['step']}; lower the learning rate "
+            "or check the batch (every row needs completion tokens)."
+        )
+
+
+class Placement:
+    """Where a strategy keeps the state and the batch, and how to get them back whole.
+
+    "jit": one device (the state copied, so a donating step cannot delete the caller's
+    arrays); "pmap": replicated with a leading device axis, batches split
+    [n, B/n, ...]; "shard_map", "dp", "fsdp": placed on the step's mesh
+    (`parallel.place_state`, `parallel.place_batch`).
+    """
+
+    def __init__(self, step_fn, parallel_mode: str, keep_placement: bool = False, *, caller: str = "run()"):
+        if parallel_mode not in PARALLEL_MODES:
+            raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
+        built_for = getattr(step_fn, "parallel_mode", parallel_mode)
+        if built_for != parallel_mode:
+            raise ValueError(f"The step was built for parallel_mode={built_for!r} but {caller} was given "
+                             f"{parallel_mode!r}; pass the same mode to make_step and {caller}.")
+        self.on_mesh = parallel_mode in parallel.MESH_MODES
+        if jax.process_count() > 1 and not self.on_mesh:
+            raise ValueError(f"parallel_mode={parallel_mode!r} runs within one process, but this is process "
+                             f"{jax.process_index()} of {jax.process_count()}; use one of {parallel.MESH_MODES}.")
+        if keep_placement and not self.on_mesh:
+            raise ValueError(f"keep_placement=True applies to the mesh strategies {parallel.MESH_MODES}, "
+                             f"not {parallel_mode!r}.")
+        self.parallel_mode = parallel_mode
+        self.mesh = (getattr(step_fn, "mesh", None) or parallel.make_mesh()) if self.on_mesh else None
+        self.n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
+
+    def state(self, params, opt_state, frozen=None):
+        """(params, opt_state, frozen) as new arrays, placed as the strategy wants them."""
+        if self.parallel_mode == "pmap":
+            return parallel.replicate((params, opt_state, frozen), self.n_devices)
+        if self.on_mesh:
+            return parallel.place_state((params, opt_state, frozen), self.mesh, self.parallel_mode)
+        params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+        return params, opt_state, frozen
+
+    def batch(self, batch):
+        """A global batch of host rows (this process's rows, with several), placed for the step."""
+        if self.parallel_mode == "pmap":
+            return parallel.shard_batch(batch, self.n_devices)
+        return parallel.place_batch(batch, self.mesh) if self.on_mesh else batch
+
+    def metrics(self, metrics) -> dict:
+        """A step's metrics as Python floats (device 0's copy under pmap: all copies are equal)."""
+        if self.parallel_mode == "pmap":
+            metrics = parallel.unreplicate(metrics)
+        return {k: float(v) for k, v in metrics.items()}
+
+    def on_one_device(self, tree):
+        if self.parallel_mode == "pmap":
+            return parallel.unreplicate(tree)
+        return parallel.gather(tree) if self.on_mesh else tree
+
+
+def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: int, start_step: int = 0,
+                  num_iterations: int = 1, parallel_mode: str = "jit", reference=None, desc: str = "rl",
+                  progress: bool = True, on_step: Callable[[int, dict], None] | None = None,
+                  keep_placement: bool = False):
+    """On-policy RL (GRPO): every step samples a batch with the current policy, then
+    makes `num_iterations` updates on it. Returns (params, opt_state, history).
+
+    `rollout_fn(step, params, reference) -> (batch, metrics)` gets the current params and
+    the frozen `reference` as they lie for the strategy (replicated under pmap, on the
+    step's mesh otherwise), samples with them, and returns the step's global training
+    batch as host arrays plus its own metrics (Python floats: rewards, lengths). The
+    batch is placed as in `run` and the step applied to it `num_iterations` times (μ,
+    Tunix's `num_iterations`); `reference` is not passed to the step (the rollout
+    puts what the objective needs of it, e.g. its log-probs, in the batch).
+
+    One record per step: the rollout's metrics, the updates' metrics averaged over the
+    μ updates, and "time/rollout_s" and "time/update_s": wall seconds of the rollout
+    (sampling, scoring, rewards, to host) and of the μ updates (until the new params
+    are ready). Placement and the returned state are as in `run`.
+    """
+    if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
+        raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations!r}.")
+    place = Placement(step_fn, parallel_mode, keep_placement, caller="run_on_policy()")
+    params, opt_state, reference = place.state(params, opt_state, reference)
+
+    history = []
+    bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
+    for step in bar:
+        started = time.perf_counter()
+        batch, rollout_metrics = rollout_fn(step, params, reference)
+        sampled = time.perf_counter()
+        batch = place.batch(batch)
+        updates = []
+        for _ in range(num_iterations):
+            params, opt_state, metrics = step_fn(params, opt_state, batch, None)
+            updates.append(place.metrics(metrics))
+        jax.block_until_ready(params)
+        updated = time.perf_counter()
+        record = {"step": step + 1, **rollout_metrics,
+                  **{k: float(np.mean([u[k] for u in updates])) for k in updates[0]},
+                  "time/rollout_s": sampled - started, "time/update_s": updated - sampled}
+        _check_finite(record)
+        history.append(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', float('nan')):.3f}")
+        if on_step is not None:
+            on_step(step + 1, record)
+    if not keep_placement:
+        params, opt_state = place.on_one_device((params, opt_state))
     return params, opt_state, history

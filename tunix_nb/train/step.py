@@ -9,13 +9,20 @@ Every objective returns `(loss_sum, weight, metrics)`: the loss over the batch i
 `loss_sum / weight`. An objective with terms normalised by different counts (DPO's
 pair loss over pairs plus RPO's NLL over chosen tokens) returns dicts of loss sums and
 weights, one entry per named term; the loss is the sum of the terms' ratios, and the
-step reports each as the metric `loss/<name>`, exact on any number of devices. For SFT that is (NLL summed over completion tokens, number of
-completion tokens); for per-example losses it is (sum over examples, examples). Under
+step reports each as the metric `loss/<name>`, exact on any number of devices. For SFT
+that is (NLL summed over completion tokens, number of completion tokens); for
+per-example losses it is (sum over examples, examples). Under
 `pmap` and `shard_map` the step psums both before dividing, so the loss and the
 gradients are those of the *global* batch, exactly as on one device, however the
 tokens fall across devices. Under `dp` and `fsdp` (jit on a mesh) the step sees the
 global batch as one array, so it divides once, as on one device, and XLA inserts the
 collectives.
+
+Metrics follow the same rule when the objective gives them as a `(sum, count)` pair
+(GRPO's token means: clip_ratio, kl, entropy): the step all-reduces both and reports
+sum / count, exact on any number of devices. A plain scalar metric is averaged over
+devices (pmean), which is exact only when every device's shard carries the same
+weight (e.g. DPO's per-pair means over equal shards).
 
 Parallel strategies (`PARALLEL_MODES`), all with the same step body:
 - "jit": one device.
@@ -92,6 +99,7 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
             return as_terms(loss_sums), (as_terms(weights), metrics)
 
         loss_sums, pullback, (weights, metrics) = jax.vjp(local_terms, params, has_aux=True)
+        metrics, metric_sums = split_metric_sums(metrics)
         if set(weights) != set(loss_sums):
             raise ValueError(f"The objective's loss sums {sorted(loss_sums)} and weights {sorted(weights)} must "
                              "name the same terms.")
@@ -111,6 +119,8 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
             metrics = {**metrics, **{f"loss/{k}": loss_sums[k] / weights[k] for k in loss_sums}}
         if axis is not None and all_reduce:
             metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
+        metric_sums = all_reduce_sum(metric_sums)  # (sum, count) pairs: exact global means
+        metrics = {**metrics, **{k: total / jnp.maximum(count, 1.0) for k, (total, count) in metric_sums.items()}}
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         loss = sum(loss_sums[k] / weights[k] for k in loss_sums)
@@ -128,6 +138,16 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
 def as_terms(x) -> dict:
     """An objective's loss sum (or weight): one scalar, or a dict of them, one per named term."""
     return dict(x) if isinstance(x, dict) else {"loss": x}
+
+
+def split_metric_sums(metrics: dict) -> tuple[dict, dict]:
+    """(scalar metrics, {name: (sum, count)}): an objective's metrics given as pairs are
+    reduced as sums and counts, the others averaged over devices."""
+    pairs = {k: v for k, v in metrics.items() if isinstance(v, tuple)}
+    for k, v in pairs.items():
+        if len(v) != 2:
+            raise ValueError(f"metric {k!r} is a tuple of {len(v)}; a metric is a scalar or a (sum, count) pair.")
+    return {k: v for k, v in metrics.items() if k not in pairs}, {k: tuple(v) for k, v in pairs.items()}
 
 
 class MeshStep:

@@ -1,0 +1,303 @@
+"""Group relative policy optimisation (GRPO) with verifiable rewards: rollouts, the batch, the objective.
+
+Tunix: `rl.grpo.grpo_learner.GrpoLearner`; its Dr. GRPO and DAPO learners are settings
+here (`estimator="drgrpo"`, the `aggregation`, `epsilon_high`, `beta=0`). One GRPO step:
+
+1. Rollout (`rollout`): B prompts of the SFT data, each repeated G times in a row; the
+   current policy samples one completion per row (`sampler.generate`, one key per row:
+   `rollout_keys`); the reward functions score them; `losses.group_advantages` compares
+   each completion with the other G - 1 of its prompt. In the same pass, once per
+   rollout batch and in the policy's compute dtype: the old policy's per-token
+   log-probs (only when num_iterations > 1; with one update the policy is the old
+   policy, ratio 1, as in TRL) and the frozen reference's (only when beta > 0).
+2. μ = num_iterations updates on that batch: `objective` through `train.make_step`
+   (`train.run_on_policy` runs both parts, step after step).
+
+What is data-parallel: sampling and the two log-prob forward passes (each device
+samples and scores its own rows, whole groups of G, from the params it holds), and the
+update (loss sums, weights and gradients all-reduced, as for every method). What is
+not: decoding the completions to text, the reward functions and the advantages, which
+run in host Python/NumPy on the global batch (as Tunix's reward functions do); they
+are cheap next to sampling, but they are a serial step between the two parallel ones.
+
+A rollout is a pure function of (params, prompts, seed, step): row r of step s samples
+with `fold_in(fold_in(key(seed), s), r)`, whatever device row r lands on, so 1 device
+and 8 draw the same completions, and a run resumed at step s draws what it would have.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from tunix_nb import data, losses, parallel, sampler
+from tunix_nb import model as model_lib
+from tunix_nb import rewards as rewards_lib
+from tunix_nb.precision import cast_floats, resolve_compute_dtype
+from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
+
+# The reward functions the command line can name (`--rewards`).
+REWARD_FUNCTIONS = {"exact_match": rewards_lib.exact_match, "char_match": rewards_lib.char_match,
+                    "well_formed": rewards_lib.well_formed}
+
+
+# ------------------------------------------------------------------ prompts and keys
+
+
+def prompt_rows(examples: Sequence[dict], tokenizer: Tokenizer | None = None,
+                prompt_len: int = data.DEFAULT_PROMPT_LEN) -> dict[str, np.ndarray]:
+    """The rows rollouts draw prompts from: left-padded `prompt_tokens_NxP`, `prompt_mask_NxP`,
+    and `index_N` (the example each row is), for `data.batch_at(rows, step, B, seed=seed)`."""
+    arrays = data.prompt_arrays([e["prompt"] for e in examples], tokenizer or ByteTokenizer(), prompt_len)
+    return {"prompt_tokens": arrays["tokens"], "prompt_mask": arrays["attention_mask"],
+            "index": np.arange(len(examples))}
+
+
+def rollout_keys(seed: int, step: int, n_rows: int) -> np.ndarray:
+    """Key data [n_rows, 2] (uint32): row r of step `step` samples with fold_in(fold_in(key(seed), step), r).
+
+    One key per row of the global rollout batch, so a row's completion does not depend
+    on which device samples it, nor on the other rows of its batch.
+    """
+    step_key = jax.random.fold_in(jax.random.key(seed), step)
+    keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(jnp.arange(n_rows))
+    return np.asarray(jax.random.key_data(keys))
+
+
+# ------------------------------------------------------------------ the training batch
+
+
+def training_rows(prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT) -> dict:
+    """Prompt + completion as one row, shifted for next-token prediction.
+
+    `inputs`, `targets`, `attention_mask` are [B, P + T - 1]; `completion_mask` [B, T] is
+    1 on the completion's tokens up to and including eos. The completion tokens are the
+    last T targets, predicted by the last T positions.
+    """
+    seq_BxS = jnp.concatenate([prompt_BxP, completion_BxT.astype(prompt_BxP.dtype)], axis=1)
+    mask_BxS = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT.astype(prompt_mask_BxP.dtype)], axis=1)
+    return {"inputs": seq_BxS[:, :-1], "targets": seq_BxS[:, 1:], "attention_mask": mask_BxS[:, :-1],
+            "completion_mask": completion_mask_BxT.astype(jnp.int32)}
+
+
+def completion_log_probs(graphdef, params, batch, *, with_entropy: bool = False):
+    """Per-token log-probs [B, T] of the completion tokens, from one forward pass over
+    prompt + completion; with `with_entropy`, also the policy's entropy [B, T] there."""
+    T = batch["completion_mask"].shape[1]
+    logits_BxTxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"])[:, -T:]
+    logps_BxT = losses.token_log_probs(logits_BxTxV, batch["targets"][:, -T:])
+    if not with_entropy:
+        return logps_BxT
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    return logps_BxT, -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
+
+
+def completion_texts(batch, tokenizer: Tokenizer | None = None) -> list[str]:
+    """The sampled completions as text, cut before eos (what the reward functions see)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    mask_BxT = np.asarray(batch["completion_mask"])
+    tokens_BxT = np.asarray(batch["targets"])[:, -mask_BxT.shape[1]:]
+    texts = []
+    for ids, n in zip(tokens_BxT.tolist(), mask_BxT.sum(axis=1).tolist()):
+        ids = ids[:n]
+        if ids and ids[-1] == tokenizer.eos_id:
+            ids = ids[:-1]
+        texts.append(tokenizer.decode(ids))
+    return texts
+
+
+# ------------------------------------------------------------------ sampling, per strategy
+
+
+def make_sampler(graphdef, *, max_new_tokens: int = data.MAX_NEW_TOKENS, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, old_logps: bool = False,
+                 ref_logps: bool = False, compute_dtype="auto", eos_id: int = 2, pad_id: int = 0,
+                 parallel_mode: str = "jit", mesh=None) -> Callable:
+    """`sample(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2) -> dict of host arrays`.
+
+    Samples one completion per row (row i with its own key) and returns the training
+    rows (`training_rows`), plus `old_logps` [B, T] (the sampling policy's, if asked)
+    and `ref_logps` [B, T] (the reference's, if asked), computed by the same forward
+    pass as the training step, in `compute_dtype`.
+
+    `params` and `reference` lie as `parallel_mode` keeps the state (`train.run_on_policy`
+    hands them over so): "jit" on one device; "pmap" replicated [n, ...], the rows split
+    [n, B/n, ...], each device sampling its own; "shard_map", "dp" and "fsdp" the same
+    per-device code under `jax.shard_map` on `mesh`, rows split P("data") (sampling needs
+    no collective, so the three differ only in where the state lies: under fsdp the
+    params are all-gathered before sampling). B must divide by the device count; the
+    prompts arrive as host arrays, and the result returns as host arrays, the global batch.
+    """
+    dtype = resolve_compute_dtype(compute_dtype)
+    sampler.check_sampling(temperature, top_k, top_p)
+    generate = functools.partial(sampler.generate, graphdef, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
+
+    def on_device(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2):
+        policy = cast_floats(params, dtype)
+        out = generate(policy, prompt_BxP, prompt_mask_BxP, jax.random.wrap_key_data(key_data_Bx2))
+        rows = training_rows(prompt_BxP, prompt_mask_BxP, out.tokens, out.mask)
+        if old_logps:
+            rows["old_logps"] = completion_log_probs(graphdef, policy, rows)
+        if ref_logps:
+            rows["ref_logps"] = completion_log_probs(graphdef, cast_floats(reference, dtype), rows)
+        return jax.tree.map(lax.stop_gradient, rows)
+
+    if parallel_mode == "jit":
+        fn = jax.jit(on_device)
+    elif parallel_mode == "pmap":
+        fn = jax.pmap(on_device, axis_name=parallel.DEVICE_AXIS)
+    elif parallel_mode in parallel.MESH_MODES:
+        # Sampling needs no communication: on every mesh strategy it is per-device code
+        # (shard_map) on the device's rows, with whole params (fsdp's are all-gathered first).
+        mesh = mesh or parallel.make_mesh()
+        rows = P(parallel.MESH_AXIS)
+        fn = jax.jit(jax.shard_map(on_device, mesh=mesh, in_specs=(P(), P(), rows, rows, rows), out_specs=rows,
+                                   check_vma=False))
+    else:
+        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of jit, pmap, "
+                         f"{', '.join(parallel.MESH_MODES)}.")
+
+    def sample(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2):
+        inputs = (np.asarray(prompt_BxP), np.asarray(prompt_mask_BxP), np.asarray(key_data_Bx2))
+        if parallel_mode == "pmap":
+            inputs = parallel.shard_batch(inputs, jax.local_device_count())
+        elif parallel_mode != "jit":
+            inputs = parallel.place_batch(inputs, mesh)
+        out = {k: np.asarray(v) for k, v in fn(params, reference, *inputs).items()}
+        if parallel_mode == "pmap":  # [n, B/n, ...] -> [B, ...]
+            out = {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
+        return out
+
+    return sample
+
+
+# ------------------------------------------------------------------ the rollout
+
+
+class Rollout(NamedTuple):
+    """One rollout batch: the training batch (host arrays, [B * G, ...]), the completions
+    as text, their rewards, and the rollout's metrics."""
+
+    batch: dict
+    completions: list
+    rewards: rewards_lib.Rewards
+    metrics: dict
+
+
+def rollout(sample: Callable, params, reference, prompts: dict, examples: Sequence[dict], key_data,
+            reward_set: rewards_lib.RewardSet, *, group_size: int, estimator: str = "grpo",
+            tokenizer: Tokenizer | None = None) -> Rollout:
+    """Sample G = `group_size` completions for each of B prompts, score them, compute advantages.
+
+    `prompts`: B rows of `prompt_rows` (`prompt_tokens`, `prompt_mask`); `examples`: the
+    B examples they come from (their columns, e.g. `completion` and `task`, go to the
+    reward functions; `prompt` is their prompt); `key_data`: [B * G, 2] (`rollout_keys`);
+    `sample`: from `make_sampler`. Each prompt is repeated G times in a row, so row
+    r = b * G + g is prompt b's g-th completion. The batch gains `advantages` [B * G].
+
+    Metrics (TRL's and Tunix's names): "reward", "reward_std", "rewards/{name}/mean" and
+    "/std", "frac_reward_zero_std" (`rewards.reward_metrics`), and
+    "completions/mean_length", "/min_length", "/max_length" (tokens, eos included).
+    """
+    G = group_size
+    if len(examples) != len(prompts["prompt_tokens"]):
+        raise ValueError(f"got {len(prompts['prompt_tokens'])} prompts but {len(examples)} examples: pass the "
+                         "examples the prompts were made from, one per prompt")
+    batch = sample(params, reference, np.repeat(prompts["prompt_tokens"], G, axis=0),
+                   np.repeat(prompts["prompt_mask"], G, axis=0), key_data)
+    texts = completion_texts(batch, tokenizer)
+    rows = [e for e in examples for _ in range(G)]
+    columns = {k: [e[k] for e in rows] for k in rows[0] if k != "prompt"}
+    scored = reward_set([e["prompt"] for e in rows], texts, **columns)
+    batch["advantages"] = np.asarray(losses.group_advantages(scored.total, G, estimator=estimator))
+    lengths = batch["completion_mask"].sum(axis=1)
+    metrics = {**rewards_lib.reward_metrics(scored, G), "completions/mean_length": float(lengths.mean()),
+               "completions/min_length": float(lengths.min()), "completions/max_length": float(lengths.max())}
+    return Rollout(batch, texts, scored, metrics)
+
+
+def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.RewardSet, *, batch_size: int,
+                 group_size: int, seed: int, estimator: str = "grpo", num_iterations: int = 1,
+                 beta: float = 0.04, max_new_tokens: int = data.MAX_NEW_TOKENS, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, compute_dtype="auto",
+                 parallel_mode: str = "jit", mesh=None, tokenizer: Tokenizer | None = None,
+                 prompt_len: int = data.DEFAULT_PROMPT_LEN) -> Callable:
+    """`rollout_fn(step, params, reference) -> (batch, metrics)`, for `train.run_on_policy`.
+
+    Step s draws `batch_size` prompts from `examples` (`data.batch_at` with `seed`: each
+    epoch visits every example once) and samples G = `group_size` completions each,
+    with `rollout_keys(seed, s, batch_size * group_size)`: a pure function of (params,
+    seed, step). It computes `old_logps` when `num_iterations > 1` and `ref_logps` when
+    `beta > 0`. `parallel_mode` and `mesh` must be the step's (see `make_sampler`).
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
+        raise ValueError(f"group_size must be an int >= 2, got {group_size!r}: an advantage compares a "
+                         "completion with the other completions of its prompt")
+    if estimator not in losses.ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {losses.ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    tokenizer = tokenizer or ByteTokenizer()
+    rows = prompt_rows(examples, tokenizer, prompt_len)
+    sample = make_sampler(graphdef, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, old_logps=num_iterations > 1, ref_logps=beta > 0,
+                          compute_dtype=compute_dtype, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                          parallel_mode=parallel_mode, mesh=mesh)
+
+    def rollout_fn(step, params, reference):
+        picked = data.batch_at(rows, step, batch_size, seed=seed)
+        out = rollout(sample, params, reference, picked, [examples[i] for i in picked["index"]],
+                      rollout_keys(seed, step, batch_size * group_size), reward_set, group_size=group_size,
+                      estimator=estimator, tokenizer=tokenizer)
+        return out.batch, out.metrics
+
+    return rollout_fn
+
+
+# ------------------------------------------------------------------ the objective
+
+
+def objective(graphdef, *, epsilon=0.2, epsilon_high=None, beta=0.04, kl_estimator="low_var_kl",
+              aggregation="sequence-mean-token-mean", max_completion_length=None, compute_dtype="auto"):
+    """(policy params, rollout batch, frozen) -> (loss sum, weight, metrics), by `losses.grpo_loss`.
+
+    The policy's per-token log-probs of the completions (`completion_log_probs`, in
+    `compute_dtype`) against the batch's `old_logps` (absent: the policy itself, ratio
+    1, as with num_iterations == 1), `ref_logps` (absent: no KL term; needs beta == 0)
+    and `advantages`, over `completion_mask`. `frozen` is unused: the reference's
+    log-probs come with the batch, computed once per rollout.
+
+    Metrics, each a (sum, count) pair over completion tokens, so that `train.make_step`
+    reports the global batch's token mean on any device count: "kl", "clip_ratio",
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "is_ratio/mean" (`losses.grpo_loss`)
+    and "entropy", the policy's mean per-token entropy on the completions (TRL's name).
+    """
+    compute_dtype = resolve_compute_dtype(compute_dtype)
+    kwargs = dict(epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, kl_estimator=kl_estimator,
+                  aggregation=aggregation, max_completion_length=max_completion_length)
+    # fail here, not at the first step: grpo_loss's own checks, on placeholder shapes
+    losses.grpo_loss(jnp.zeros((1, 1)), None, None if beta == 0 else jnp.zeros((1, 1)), jnp.zeros((1,)),
+                     jnp.ones((1, 1)), **kwargs)
+
+    def grpo_objective(params, batch, frozen=None):
+        if beta != 0 and "ref_logps" not in batch:
+            raise ValueError(f"beta={beta} needs the reference's log-probs in the batch (`ref_logps`): make "
+                             "the rollout with the same beta (make_rollout(..., beta=beta)), or set beta=0.")
+        logps_BxT, entropy_BxT = completion_log_probs(graphdef, cast_floats(params, compute_dtype), batch,
+                                                      with_entropy=True)
+        mask_BxT = batch["completion_mask"]
+        loss_sum, weight, metrics = losses.grpo_loss(
+            logps_BxT, batch.get("old_logps"), batch.get("ref_logps"),
+            batch["advantages"], mask_BxT, **kwargs)
+        tokens = jnp.sum(mask_BxT).astype(jnp.float32)
+        # grpo_loss's token means back to sums: (mean * tokens, tokens), exact when all-reduced
+        sums = {k: (v * tokens, tokens) for k, v in metrics.items()}
+        sums["entropy"] = (jnp.sum(jnp.where(mask_BxT != 0, entropy_BxT, 0.0)), tokens)
+        return loss_sum, weight, jax.tree.map(lax.stop_gradient, sums)
+
+    return grpo_objective
