@@ -106,3 +106,16 @@ def test_kv_cache_group_runs_alone(tmp_path):
     for point in fig["curve"].values():
         assert point["cached_tokens_per_second"] > 0 and point["recompute_tokens_per_second"] > 0
     assert "kv_cache_decode_speedup: " in run.stdout
+
+
+def test_grpo_group_splits_a_step_into_rollout_and_update(tmp_path):
+    """--only grpo times GRPO steps from the shipped SFT student: the rollout's share of each."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--quick", "--only", "grpo",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fig = json.loads((tmp_path / "bench.json").read_text())["figures"]["grpo_rollout_share"]
+    assert 0 < fig["value"] < 1
+    assert fig["rollout_seconds"] > 0 and fig["update_seconds"] > 0
+    assert math.isclose(fig["value"], fig["rollout_seconds"] / (fig["rollout_seconds"] + fig["update_seconds"]))
+    assert fig["group_size"] == 8 and fig["num_iterations"] == 2

@@ -37,8 +37,9 @@ FIGURES = {
     "dpo_cached_ref_speedup": ("dpo", 1.25, "min"),
     "compile_share": ("compile", None, None),
     "kv_cache_decode_speedup": ("kv_cache", None, None),
+    "grpo_rollout_share": ("grpo", None, None),
 }
-GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile", "kv_cache")
+GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile", "kv_cache", "grpo")
 
 
 def median_seconds(fn, *, repeats: int, warmup: int = 2) -> float:
@@ -436,6 +437,35 @@ def bench_kv_cache(repeats, quick=False, batch_size=64):
                    note="greedy decoding, tokens per second with the KV cache / recomputing the sequence")
 
 
+def bench_grpo(repeats, batch_size=16, group_size=8, num_iterations=2):
+    """Where a GRPO step's time goes: the rollout (sampling G completions per prompt with the
+    KV cache, rewards, old and reference log-probs) against the μ updates on it.
+
+    The shipped SFT student on one device, `repeats` steps after one that compiles; the
+    figure is the rollout's share of the step (medians of each part).
+    """
+    import numpy as np
+
+    from tunix_nb import checkpoint, data, grpo, rewards, train
+
+    graphdef, params, _ = checkpoint.load_model(data.DATA_DIR / "sft_student")
+    reward_set = rewards.combine({"exact_match": rewards.exact_match, "char_match": rewards.char_match})
+    rollout_fn = grpo.make_rollout(graphdef, data.load_sft(), reward_set, batch_size=batch_size,
+                                   group_size=group_size, seed=0, num_iterations=num_iterations)
+    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=3e-4, warmup_steps=1,
+                                                     total_steps=(repeats + 1) * num_iterations + 1))
+    step_fn = train.make_step(grpo.objective(graphdef), opt)
+    _, _, history = train.run_on_policy(step_fn, params, opt.init(params), rollout_fn, steps=repeats + 1,
+                                        num_iterations=num_iterations, reference=params, progress=False)
+    rollout_s = float(np.median([h["time/rollout_s"] for h in history[1:]]))
+    update_s = float(np.median([h["time/update_s"] for h in history[1:]]))
+    return _figure("grpo_rollout_share", rollout_s / (rollout_s + update_s), rollout_seconds=rollout_s,
+                   update_seconds=update_s, prompts=batch_size, group_size=group_size,
+                   num_iterations=num_iterations, max_new_tokens=data.MAX_NEW_TOKENS, model="student",
+                   repeats=repeats,
+                   note="one GRPO step on one device: rollout / (rollout + num_iterations updates)")
+
+
 # --------------------------------------------------------------------------- compile
 
 
@@ -507,6 +537,7 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
         "dpo": lambda: bench_dpo(repeats),
         "compile": lambda: bench_compile(quick=quick),
         "kv_cache": lambda: bench_kv_cache(repeats, quick=quick),
+        "grpo": lambda: bench_grpo(repeats),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench.json"
