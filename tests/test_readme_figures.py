@@ -158,6 +158,10 @@ FIGURES = [
     bench("kv_cache_decode_speedup at 128 tokens", "answers; {}x at 128)", F + "kv_cache_decode_speedup.curve.128.speedup"),
     bench("kv_cache_decode_speedup prompts", "(student, {} prompts, 8 new", F + "kv_cache_decode_speedup.batch_size"),
     bench("kv_cache_decode_speedup new tokens", "prompts, {} new tokens: the task", F + "kv_cache_decode_speedup.new_tokens"),
+    bench("grpo_rollout_share", "then 2 updates) | {} |", F + "grpo_rollout_share.value"),
+    bench("grpo_rollout_share prompts", "on one device: {} prompts ×", F + "grpo_rollout_share.prompts"),
+    bench("grpo_rollout_share group size", "prompts × {} completions", F + "grpo_rollout_share.group_size"),
+    bench("grpo_rollout_share updates", "completions, then {} updates)", F + "grpo_rollout_share.num_iterations"),
     # ------------------------------------------------------------ the benchmark's prose
     bench("vmap loss's sequence length", "tiny ({} × {n} logits)", F + "vmap_speedup_over_loop.seq_len"),
     bench("vmap loss's vocabulary", "tiny ({n} × {} logits)", F + "vmap_speedup_over_loop.vocab"),
