@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_nb import checkpoint, losses
-from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07
+from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08
 
 N = 8  # conftest.py simulates 8 CPU devices
 
@@ -269,3 +269,44 @@ def test_lesson07_ex3_the_allreduce_share_falls_with_the_global_batch():
     assert out["step_flops"][64] > 3 * out["step_flops"][16]
     committed = out["committed"]  # and the benchmark's figures show the fall
     assert len(committed) >= 2 and committed[max(committed)] < committed[min(committed)]
+
+
+# ------------------------------------------------------------------ 08 GRPO with verifiable rewards
+
+
+def test_lesson08_ex1_the_std_weighs_nearly_solved_and_hopeless_prompts_up():
+    G = 8
+    out = lesson08.advantages_by_difficulty(G)
+    for k in range(1, G):
+        std = math.sqrt(k * (G - k) / (G * (G - 1)))  # of k ones and G - k zeros, ddof=1
+        assert math.isclose(out["drgrpo"][k]["right"], 1 - k / G, rel_tol=1e-5)
+        assert math.isclose(out["grpo"][k]["right"], (1 - k / G) / (std + 1e-6), rel_tol=1e-5)
+        assert math.isclose(out["rloo"][k]["right"], G / (G - 1) * out["drgrpo"][k]["right"], rel_tol=1e-5)
+        assert math.isclose(out["grpo"][k]["right"], -out["grpo"][G - k]["wrong"], rel_tol=1e-5)
+    for est in ("grpo", "drgrpo"):  # both push 50/50 prompts hardest ...
+        assert max(out[est], key=lambda k: out[est][k]["push"]) == G // 2
+    one_in_g = {est: out[est][1]["push"] / out[est][G // 2]["push"] for est in ("grpo", "drgrpo")}
+    assert one_in_g["grpo"] > 1.4 * one_in_g["drgrpo"]  # ... but grpo much less so (0.66 against 0.44)
+
+
+def test_lesson08_ex2_larger_groups_leave_fewer_groups_without_signal():
+    out = lesson08.zero_std_by_group_size(group_sizes=(2, 4, 8), n_prompts=16)
+    zero = [out[G]["frac_reward_zero_std"] for G in (2, 4, 8)]
+    solved = [out[G]["pass_at_g"] for G in (2, 4, 8)]
+    # a group of G is a prefix of a group of 2G: it can only gain spread and right answers
+    assert zero == sorted(zero, reverse=True) and solved == sorted(solved)
+    assert zero[0] > zero[-1] and [out[G]["completions"] for G in (2, 4, 8)] == [32, 64, 128]
+
+
+def test_lesson08_ex3_each_kl_estimator_follows_a_different_gradient():
+    g = lesson08.kl_estimator_gradients()
+    np.testing.assert_allclose(g["kl"], 0.0, atol=1e-6)  # k1: no pull towards the reference on average
+    np.testing.assert_allclose(g["mse_kl"], g["reverse"], rtol=1e-4, atol=1e-6)  # k2: KL(pi || ref)
+    np.testing.assert_allclose(g["low_var_kl"], g["forward"], rtol=1e-4, atol=1e-6)  # k3: KL(ref || pi)
+    assert np.abs(g["low_var_kl"] - g["reverse"]).max() > 1e-2 and np.abs(g["reverse"]).max() > 1e-2
+
+
+def test_lesson08_ex4_a_larger_learning_rate_moves_further_from_the_reference():
+    out = lesson08.learning_rate_and_beta(settings=((1e-4, 0.04), (3e-3, 0.04)), steps=6)
+    assert set(out) == {(1e-4, 0.04), (3e-3, 0.04)} and all(v["exact_match"] is None for v in out.values())
+    assert out[(3e-3, 0.04)]["kl"] > 10 * out[(1e-4, 0.04)]["kl"] >= 0
