@@ -339,3 +339,34 @@ def test_cli_errors_name_the_fix(capsys, args, message):
         cli_module.main([*args, "--steps", "4"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_grpo_killed_mid_run_resumes_bitwise(tmp_path, tiny_sft):
+    """SIGKILL between saves, then the same command again: the same bits as a run never killed
+    (the rollouts' sampling keys are a function of seed and step)."""
+    import os
+
+    from tunix_nb import preempt
+
+    def argv(ckpt, metrics):
+        return [*grpo_argv(tiny_sft, ckpt, metrics), "--steps", "24", "--save-every", "4"]
+
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # every run: one device, its own process
+
+    def run(ckpt, metrics):
+        out = subprocess.run([sys.executable, "-m", "tunix_nb.train", *argv(ckpt, metrics)], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(whole, tmp_path / "whole.jsonl")
+    killed = preempt.run_and_kill(argv(cut, tmp_path / "cut.jsonl"), ckpt_dir=cut, metrics_file=tmp_path / "cut.jsonl",
+                                  when="between_saves", after_step=6, env=env, timeout=300)
+    assert killed["killed"] and killed["step"] < 24, killed
+    assert "Resuming from the checkpoint" in run(cut, tmp_path / "cut.jsonl").stdout
+    assert compare.bitwise_equal(checkpoint.load_params(whole), checkpoint.load_params(cut))
+    assert without_times(tmp_path / "whole.jsonl") == without_times(tmp_path / "cut.jsonl")
