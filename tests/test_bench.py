@@ -94,13 +94,18 @@ def test_bad_only_name_is_refused():
     assert run.returncode == 2 and "invalid choice: 'speed'" in run.stderr
 
 
-def test_kv_cache_group_runs_alone(tmp_path):
-    """--only kv_cache measures the cached decoder against recomputing, on the same tokens."""
+def quick_group_alone(group, figure, tmp_path):
+    """(the process, its figure): `--quick --only group` on one device, in a folder of its own."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--quick", "--only", "kv_cache",
+    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--quick", "--only", group,
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    fig = json.loads((tmp_path / "bench.json").read_text())["figures"]["kv_cache_decode_speedup"]
+    return run, json.loads((tmp_path / "bench.json").read_text())["figures"][figure]
+
+
+def test_kv_cache_group_runs_alone(tmp_path):
+    """--only kv_cache measures the cached decoder against recomputing, on the same tokens."""
+    run, fig = quick_group_alone("kv_cache", "kv_cache_decode_speedup", tmp_path)
     assert math.isfinite(fig["value"]) and fig["value"] > 0
     assert fig["same_tokens"] and set(fig["curve"]) == {str(data.MAX_NEW_TOKENS), "32"}
     for point in fig["curve"].values():
@@ -110,11 +115,7 @@ def test_kv_cache_group_runs_alone(tmp_path):
 
 def test_grpo_group_splits_a_step_into_rollout_and_update(tmp_path):
     """--only grpo times GRPO steps from the shipped SFT student: the rollout's share of each."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--quick", "--only", "grpo",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    fig = json.loads((tmp_path / "bench.json").read_text())["figures"]["grpo_rollout_share"]
+    _, fig = quick_group_alone("grpo", "grpo_rollout_share", tmp_path)
     assert 0 < fig["value"] < 1
     assert fig["rollout_seconds"] > 0 and fig["update_seconds"] > 0
     assert math.isclose(fig["value"], fig["rollout_seconds"] / (fig["rollout_seconds"] + fig["update_seconds"]))
