@@ -99,5 +99,53 @@ def test_bad_configs_raise_clear_errors():
         M.make_model("huge")
     with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
         M.get_config("student", d_model=30)
+    M.get_config("student", d_model=30, head_dim=8)  # an explicit head_dim need not divide d_model
+    with pytest.raises(ValueError, match="n_heads=4 is not a multiple of n_kv_heads=3"):
+        M.get_config("student", n_kv_heads=3)
+    with pytest.raises(ValueError, match="RoPE needs an even head size, got 7"):
+        M.get_config("student", head_dim=7)
     with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         M.make_model("tiny")(jnp.ones((5,), jnp.int32))
+
+
+def llama3_inv_freq_transcribed(head_dim, theta, factor, low, high, original):
+    """Meta's reference (llama-models `apply_scaling`), transcribed element by element."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(freq)
+        elif wavelen > original / low:
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_matches_a_transcription_of_the_reference():
+    """Llama 3.1's own settings (head_dim 128, theta 500000): all three bands occur."""
+    s = M.Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+    half = 64
+    inv_freq = 500000.0 ** (-np.arange(half, dtype=np.float32) / half)
+    got = np.asarray(M.llama3_frequencies(jnp.asarray(inv_freq), s))
+    want = llama3_inv_freq_transcribed(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    wavelen = 2 * np.pi / want
+    assert (wavelen < 2048).any() and (wavelen > 8192).any() and ((wavelen >= 2048) & (wavelen <= 8192)).any()
+
+
+def test_grouped_query_attention_equals_repeating_the_key_value_heads():
+    """A GQA model is the multi-head model whose k/v projections repeat each head's columns."""
+    gqa = M.make_model("tiny", seed=1, n_heads=4, n_kv_heads=2, head_dim=8)
+    mha = M.make_model("tiny", seed=1, n_heads=4, head_dim=8)
+    for g_block, m_block in zip(gqa.blocks, mha.blocks):
+        for name in ("k", "v"):
+            kernel = getattr(g_block.attn, name).kernel[...].reshape(32, 2, 8)
+            getattr(m_block.attn, name).kernel[...] = jnp.repeat(kernel, 2, axis=1).reshape(32, 32)
+        for name in ("q", "out"):
+            getattr(m_block.attn, name).kernel[...] = getattr(g_block.attn, name).kernel[...]
+    tokens = jnp.array([[1, 40, 41, 42, 43, 44]])
+    np.testing.assert_allclose(gqa(tokens), mha(tokens), atol=1e-5)

@@ -103,8 +103,14 @@ def test_full_forward_is_bitwise_the_pre_cache_forward(which):
     np.testing.assert_array_equal(now, before)
 
 
-def test_prefill_then_one_token_at_a_time_reproduces_the_full_forward(tiny):
-    graphdef, params = tiny
+QWEN3_LIKE = dict(n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("options", [{}, QWEN3_LIKE, dict(n_kv_heads=1, qkv_bias=True)], ids=["tiny", "qwen3", "qwen2-mqa"])
+def test_prefill_then_one_token_at_a_time_reproduces_the_full_forward(options):
+    """Also with grouped-query attention (the cache holds only the key/value heads), q/k
+    norms, biases, an explicit head_dim and an untied output layer."""
+    graphdef, params = M.split(M.make_model("tiny", seed=0, **options))
     prompt, prompt_mask = PROMPTS
     new = jnp.array([[70, 71, 0], [72, 2, 0], [73, 74, 75], [76, 77, 78]], jnp.int32)
     new_mask = jnp.array([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]], jnp.int32)

@@ -1,9 +1,12 @@
-"""A miniature decoder-only transformer in Flax NNX, and greedy generation.
+"""The kit's decoder-only transformer in Flax NNX, and greedy generation.
 
 Pre-norm blocks: RMSNorm -> causal self-attention with rotary position embeddings
-(RoPE) -> residual, RMSNorm -> gated (SwiGLU) MLP -> residual; tied input/output
-embeddings. The same architecture family as Gemma or Llama, at a size a laptop CPU
-trains in seconds.
+(RoPE) -> residual, RMSNorm -> gated (SwiGLU) MLP -> residual. This is the Llama
+family, and a few config fields cover its relatives: grouped-query attention
+(`n_kv_heads`), an explicit `head_dim`, biases on q/k/v (Qwen2), RMSNorm on queries and
+keys (Qwen3), tied or separate output embeddings, and Llama 3's RoPE scaling. The
+presets are miniatures a laptop CPU trains in seconds; `tunix_nb.hf` fills the same
+module from a Hugging Face checkpoint.
 
 Steps elsewhere in the kit are pure functions of a parameter pytree, so the module is
 split once (`split`) into a static `graphdef` and its `params`, and `apply` merges them
@@ -22,6 +25,16 @@ from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1+'s RoPE frequency rewrite (config.json's `rope_type: "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 259  # tunix_nb.tokenizer.ByteTokenizer().vocab_size
     d_model: int = 64
@@ -32,15 +45,36 @@ class ModelConfig:
     # Compute dtype of every layer. None follows the parameters, so a training step can
     # run in bfloat16 by casting a float32 parameter tree (tunix_nb.train does).
     dtype: str | None = None
+    # The options real checkpoints need (tunix_nb.hf sets them from config.json).
+    n_kv_heads: int | None = None  # grouped-query attention; None: one per query head
+    head_dim: int | None = None  # None: d_model // n_heads
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query and key head, before RoPE
+    tie_embeddings: bool = True  # False: a separate `lm_head` projects to the vocabulary
+    norm_eps: float = 1e-6
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self):
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "pick n_heads that divides d_model."
+                "pick n_heads that divides d_model, or set head_dim."
             )
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"RoPE needs an even head size, got {self.d_model // self.n_heads}.")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}; "
+                "each key/value head must serve the same number of query heads."
+            )
+        if self.head_size % 2:
+            raise ValueError(f"RoPE needs an even head size, got {self.head_size}.")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
 
 
 PRESETS = {
@@ -59,10 +93,31 @@ def get_config(preset: str | ModelConfig, **overrides) -> ModelConfig:
     return dataclasses.replace(PRESETS[preset], **overrides)
 
 
-def rope(x_BxLxHxD: jax.Array, positions_BxL: jax.Array, base: float) -> jax.Array:
-    """Rotate pairs of features by an angle proportional to the token's position."""
+def llama3_frequencies(inv_freq_D2: jax.Array, s: Llama3RopeScaling) -> jax.Array:
+    """Llama 3's rewrite: slow rotations (wavelength above the original context / low
+    factor) slow down `factor` times, fast ones stay, and the band between blends."""
+    wavelen_D2 = 2 * jnp.pi / inv_freq_D2
+    slowed_D2 = jnp.where(wavelen_D2 > s.original_max_position_embeddings / s.low_freq_factor,
+                          inv_freq_D2 / s.factor, inv_freq_D2)
+    smooth_D2 = ((s.original_max_position_embeddings / wavelen_D2 - s.low_freq_factor)
+                 / (s.high_freq_factor - s.low_freq_factor))
+    blended_D2 = (1 - smooth_D2) * slowed_D2 / s.factor + smooth_D2 * slowed_D2
+    in_band_D2 = ((wavelen_D2 >= s.original_max_position_embeddings / s.high_freq_factor)
+                  & (wavelen_D2 <= s.original_max_position_embeddings / s.low_freq_factor))
+    return jnp.where(in_band_D2, blended_D2, slowed_D2)
+
+
+def rope(x_BxLxHxD: jax.Array, positions_BxL: jax.Array, base: float,
+         scaling: Llama3RopeScaling | None = None) -> jax.Array:
+    """Rotate pairs of features by an angle proportional to the token's position.
+
+    The pairs are (i, i + D/2), "rotate half" as in Llama and Hugging Face, so a
+    checkpoint's q and k projections load without permuting rows.
+    """
     half = x_BxLxHxD.shape[-1] // 2
     inv_freq_D2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is not None:
+        inv_freq_D2 = llama3_frequencies(inv_freq_D2, scaling)
     angle_BxLxD2 = positions_BxL[..., None].astype(jnp.float32) * inv_freq_D2
     sin, cos = jnp.sin(angle_BxLxD2)[:, :, None, :], jnp.cos(angle_BxLxD2)[:, :, None, :]
     x1, x2 = x_BxLxHxD[..., :half], x_BxLxHxD[..., half:]
@@ -70,12 +125,17 @@ def rope(x_BxLxHxD: jax.Array, positions_BxL: jax.Array, base: float) -> jax.Arr
     return rotated.astype(x_BxLxHxD.dtype)
 
 
-def attend(q_BxLxHxD, k_BxSxHxD, v_BxSxHxD, allowed_BxLxS):
+def attend(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxLxS):
     """Each query's softmax-weighted mix of the values whose keys it may see -> [B, L, H, D].
 
     The one copy of the attention math: the full forward pass (S = L) and decoding
-    against a key/value cache (S = cache length) both call it.
+    against a key/value cache (S = cache length) both call it. With grouped-query
+    attention the K key/value heads each serve H / K consecutive query heads, as in
+    Hugging Face's `repeat_kv`; the cache stores only the K heads.
     """
+    group = q_BxLxHxD.shape[2] // k_BxSxKxD.shape[2]
+    k_BxSxHxD = jnp.repeat(k_BxSxKxD, group, axis=2)
+    v_BxSxHxD = jnp.repeat(v_BxSxKxD, group, axis=2)
     # Scores and softmax in float32: bfloat16 softmax loses the small weights.
     scores_BxHxLxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxD, k_BxSxHxD).astype(jnp.float32)
     scores_BxHxLxS = scores_BxHxLxS / jnp.sqrt(q_BxLxHxD.shape[-1])
@@ -85,32 +145,44 @@ def attend(q_BxLxHxD, k_BxSxHxD, v_BxSxHxD, allowed_BxLxS):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v_BxSxHxD)
 
 
+def rms_norm(size: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(size, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        linear = functools.partial(nnx.Linear, use_bias=False, dtype=cfg.dtype, rngs=rngs)
-        self.q = linear(cfg.d_model, cfg.d_model)
-        self.k = linear(cfg.d_model, cfg.d_model)
-        self.v = linear(cfg.d_model, cfg.d_model)
-        self.out = linear(cfg.d_model, cfg.d_model)
+        linear = functools.partial(nnx.Linear, dtype=cfg.dtype, rngs=rngs)
+        q_size, kv_size = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+        self.q = linear(cfg.d_model, q_size, use_bias=cfg.qkv_bias)
+        self.k = linear(cfg.d_model, kv_size, use_bias=cfg.qkv_bias)
+        self.v = linear(cfg.d_model, kv_size, use_bias=cfg.qkv_bias)
+        self.out = linear(q_size, cfg.d_model, use_bias=False)
+        self.q_norm = rms_norm(cfg.head_size, cfg, rngs) if cfg.qk_norm else None
+        self.k_norm = rms_norm(cfg.head_size, cfg, rngs) if cfg.qk_norm else None
+
+    def _heads(self, projection, norm, x_BxLxD, n_heads):
+        """Project to [B, L, n_heads, head_size], then RMSNorm each head if the model has q/k norms."""
+        B, L, _ = x_BxLxD.shape
+        heads_BxLxHxD = projection(x_BxLxD).reshape(B, L, n_heads, self.cfg.head_size)
+        return heads_BxLxHxD if norm is None else norm(heads_BxLxHxD)
 
     def __call__(self, x_BxLxD, positions_BxL, allowed_BxLxS, cache=None, index=None):
         """(output [B, L, D], cache). Without a cache the L tokens attend to each other
         (S = L); with one, their keys and values are written into the cache's slots
         [index, index + L) and the queries attend to all S slots (`allowed` says which)."""
-        B, L, D = x_BxLxD.shape
-        H = self.cfg.n_heads
-        heads = lambda t: t.reshape(B, L, H, D // H)
-        q = rope(heads(self.q(x_BxLxD)), positions_BxL, self.cfg.rope_base)
-        k = rope(heads(self.k(x_BxLxD)), positions_BxL, self.cfg.rope_base)
-        v = heads(self.v(x_BxLxD))
+        cfg = self.cfg
+        B, L, _ = x_BxLxD.shape
+        q = rope(self._heads(self.q, self.q_norm, x_BxLxD, cfg.n_heads), positions_BxL, cfg.rope_base, cfg.rope_scaling)
+        k = rope(self._heads(self.k, self.k_norm, x_BxLxD, cfg.kv_heads), positions_BxL, cfg.rope_base, cfg.rope_scaling)
+        v = self._heads(self.v, None, x_BxLxD, cfg.kv_heads)
         if cache is not None:
             at = (0, index, 0, 0)
             cache = {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
                      "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)}
             k, v = cache["k"], cache["v"]
         mixed_BxLxHxD = attend(q, k, v, allowed_BxLxS)
-        return self.out(mixed_BxLxHxD.reshape(B, L, D)), cache
+        return self.out(mixed_BxLxHxD.reshape(B, L, -1)), cache
 
 
 class GatedMLP(nnx.Module):
@@ -126,9 +198,9 @@ class GatedMLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.attn_norm = rms_norm(cfg.d_model, cfg, rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.mlp_norm = rms_norm(cfg.d_model, cfg, rngs)
         self.mlp = GatedMLP(cfg, rngs=rngs)
 
     def __call__(self, x_BxLxD, positions_BxL, allowed_BxLxS, cache=None, index=None):
@@ -145,7 +217,9 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
+        self.final_norm = rms_norm(cfg.d_model, cfg, rngs)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+            cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype, rngs=rngs)
 
     def __call__(self, tokens_BxL, attention_mask_BxL=None):
         if tokens_BxL.ndim != 2:
@@ -166,19 +240,21 @@ class Transformer(nnx.Module):
         caches = [None] * len(self.blocks) if caches is None else list(caches)
         for i, block in enumerate(self.blocks):
             x, caches[i] = block(x, positions_BxL, allowed_BxLxS, caches[i], index)
-        # Tied output embedding; logits in float32 for the losses.
-        logits = self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+        x = self.final_norm(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        # Logits in float32 for the losses.
+        logits = logits.astype(jnp.float32)
         return logits, None if caches[0] is None else caches
 
     def init_cache(self, batch_size: int, max_len: int) -> dict:
         """An empty key/value cache of `max_len` slots per row, in the compute dtype.
 
-        {"layers": [{"k", "v": [B, S, H, D]} per block], "mask": [B, S] (1 = slot holds a
-        real token)}.
+        {"layers": [{"k", "v": [B, S, K, D]} per block], "mask": [B, S] (1 = slot holds a
+        real token)}, with K the key/value heads.
         """
         cfg = self.cfg
         dtype = cfg.dtype or self.embed.embedding[...].dtype
-        shape = (batch_size, max_len, cfg.n_heads, cfg.d_model // cfg.n_heads)
+        shape = (batch_size, max_len, cfg.kv_heads, cfg.head_size)
         layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in self.blocks]
         return {"layers": layers, "mask": jnp.zeros((batch_size, max_len), jnp.int32)}
 

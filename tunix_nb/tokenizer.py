@@ -1,14 +1,16 @@
-"""Tokenizers: the `Tokenizer` protocol the kit codes against, and a byte tokenizer.
+"""Tokenizers: the `Tokenizer` protocol the kit codes against, a byte tokenizer, and a
+Hugging Face `tokenizer.json` behind the same protocol.
 
 A byte tokenizer needs no training and no download, handles any UTF-8 text, and keeps
-the vocabulary tiny (259), so the lessons' models stay small enough for a CPU.
-Anything with the same few members (e.g. a wrapper around a SentencePiece model)
-can stand in for it.
+the vocabulary tiny (259), so the lessons' models stay small enough for a CPU. A real
+checkpoint comes with its own tokenizer: `HFTokenizer.from_dir` reads it.
 """
 
 from __future__ import annotations
 
+import json
 import operator
+from pathlib import Path
 from typing import Iterable, Protocol, runtime_checkable
 
 
@@ -94,3 +96,85 @@ class ByteTokenizer:
             f"ByteTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id}, "
             f"bos_id={self.bos_id}, eos_id={self.eos_id}, byte b -> id b+{self.n_special})"
         )
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library) behind the kit's protocol.
+
+    Special tokens come from `tokenizer_config.json`. The kit's rows start with bos; a
+    tokenizer without one (Qwen) uses its pad token, the `<|endoftext|>` document
+    separator those models were pretrained with, and one without a pad token (Llama 3)
+    pads with eos, which the attention mask hides.
+    """
+
+    def __init__(self, tokenizer, *, bos_token=None, eos_token=None, pad_token=None, chat_template=None):
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
+        if eos_token is None:
+            raise ValueError("The tokenizer names no eos_token; add one to tokenizer_config.json: "
+                             "generation needs to know where an answer ends.")
+        self.eos_id = self._id(eos_token)
+        self.pad_id = self._id(pad_token) if pad_token is not None else self.eos_id
+        self.bos_id = self._id(bos_token) if bos_token is not None else self.pad_id
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, directory) -> "HFTokenizer":
+        """Read `tokenizer.json` and `tokenizer_config.json` from a checkpoint directory."""
+        from tokenizers import Tokenizer as _Tokenizer  # imported here: the byte tokenizer needs none of it
+
+        directory = Path(directory)
+        if not (directory / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{directory} has no tokenizer.json (the `tokenizers` format). "
+                                    "A slow-only tokenizer (tokenizer.model) must be converted with "
+                                    "transformers first.")
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        content = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+        return cls(_Tokenizer.from_file(str(directory / "tokenizer.json")),
+                   **{k: content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")},
+                   chat_template=config.get("chat_template"))
+
+    def _id(self, token: str) -> int:
+        i = self.tokenizer.token_to_id(token)
+        if i is None:
+            raise ValueError(f"Special token {token!r} is not in the tokenizer's vocabulary.")
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text` (no bos/eos, as the protocol asks)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() needs a str, got {type(text).__name__}; decode bytes to str first.")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, skipping special tokens wherever they are."""
+        ids = [operator.index(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range: valid ids are 0..{self.vocab_size - 1} "
+                             f"(vocab_size={self.vocab_size}). A model's vocabulary may be padded past "
+                             "the tokenizer's; mask those logits or cut the ids.")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = False) -> str:
+        """The model's chat template rendered as transformers renders it (Jinja2, sandboxed)."""
+        if self.chat_template is None:
+            raise ValueError("This tokenizer has no chat_template; build the prompt text yourself.")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        import jinja2.ext
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **self.special_tokens)
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id}, "
+                f"bos_id={self.bos_id}, eos_id={self.eos_id})")
