@@ -60,13 +60,13 @@ def bench(name, readme, *keys, **kw):
 
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
 N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", "07_benchmarks"
-N08 = "08_grpo"
+N08, N09 = "08_grpo", "09_hf_checkpoints"
 F = "figures."
 
 FIGURES = [
     # ------------------------------------------------------------ Learning path: the cells' time
     *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
-      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08)],
+      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09)],
     # ------------------------------------------------------------ Results the lessons measure
     nb("08 GRPO 8 devices vs 1", "after 2 steps | {} |", N08, r"vs 1 after 2 GRPO steps: largest parameter difference {}"),
     nb("08 greedy exact match, SFT", "the lesson shows why) | {}% →", N08, r"greedy, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
@@ -74,6 +74,11 @@ FIGURES = [
     nb("08 sampled exact match, SFT", "temperature 1 | {}% →", N08, r"8 samples at T=1, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
     nb("08 sampled exact match, GRPO", "temperature 1 | {n}% → {}% |", N08, r"8 samples at T=1, GRPO\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
     nb("08 GRPO steps", "SFT → {} GRPO steps", N08, r"{} steps"),
+    nb("09 logits against transformers", "from transformers' logits | {} |", N09,
+       r"largest difference from transformers' logits: {} \("),
+    nb("09 SFT steps on the fixture", "random weights, {} SFT steps", N09, r"{} steps of 32 rows"),
+    nb("09 exact match before", "held-out exact match | {}% →", N09, r"held-out exact match\s+{}% ->"),
+    nb("09 exact match after", "held-out exact match | {n}% → {}% |", N09, r"held-out exact match\s+{n}% -> {}%"),
     nb("01 loop / vmap, B = 64", "Python loop of jit'd calls / `vmap`, B = 64 | {}x |",
        N01, r"B= 64\s+loop.*loop/vmap\s+{}x"),
     nb("01 vmap / hand-batched, B = 64", "| `vmap` / hand-batched, B = 64 | {} |",

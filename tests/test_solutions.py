@@ -8,13 +8,15 @@ at full length live in test_cli.py and test_checkpoint.py.
 """
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_nb import checkpoint, losses
-from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08
+from tunix_nb import checkpoint, data, hf, losses, model
+from tunix_nb.tokenizer import ByteTokenizer
+from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09
 
 N = 8  # conftest.py simulates 8 CPU devices
 
@@ -310,3 +312,35 @@ def test_lesson08_ex4_a_larger_learning_rate_moves_further_from_the_reference():
     out = lesson08.learning_rate_and_beta(settings=((1e-4, 0.04), (3e-3, 0.04)), steps=6)
     assert set(out) == {(1e-4, 0.04), (3e-3, 0.04)} and all(v["exact_match"] is None for v in out.values())
     assert out[(3e-3, 0.04)]["kl"] > 10 * out[(1e-4, 0.04)]["kl"] >= 0
+
+
+# ------------------------------------------------------------------ 09 real checkpoints
+
+QWEN3_FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen3"
+
+
+def test_lesson09_ex1_qwen3_0_6b_sizes_come_from_its_config_alone():
+    out = lesson09.param_count(lesson09.QWEN3_0_6B)
+    assert out["params"] == 596_049_920 and out["non_embedding"] == 440_467_456  # model card: 0.6B, 0.44B
+    assert round(out["adamw_float32_gb"], 1) == 9.5
+    _, params, _ = hf.load_pretrained(QWEN3_FIXTURE)
+    assert lesson09.param_count(hf.read_config(QWEN3_FIXTURE))["params"] == model.count_params(params)
+
+
+def test_lesson09_ex2_the_student_exports_as_a_llama_and_reloads_to_the_same_logits(tmp_path):
+    out = lesson09.export_student(tmp_path)
+    assert hf.read_config(out)["architectures"] == ["LlamaForCausalLM"]
+    graphdef, params, _ = checkpoint.load_model(data.DATA_DIR / "sft_student")
+    graphdef2, params2, _ = hf.load_pretrained(out)
+    tokens = jnp.asarray(data.sft_arrays(data.load_sft()[:4], ByteTokenizer(), 24)["inputs"])
+    assert np.array_equal(model.apply(graphdef, params, tokens), model.apply(graphdef2, params2, tokens))
+
+
+def test_lesson09_ex3_untying_keeps_the_logits_and_adds_an_lm_head(tmp_path):
+    graphdef, params, config = hf.load_pretrained(QWEN3_FIXTURE)
+    graphdef2, params2, config2 = lesson09.untie(graphdef, params, config)
+    tokens = jnp.asarray(np.arange(3, 27).reshape(2, 12), jnp.int32)
+    assert not config2.tie_embeddings
+    assert np.array_equal(model.apply(graphdef, params, tokens), model.apply(graphdef2, params2, tokens))
+    out = hf.save_pretrained(tmp_path, graphdef2, params2, config2)
+    assert "lm_head.weight" in hf.tensor_files(out) and not hf.read_config(out)["tie_word_embeddings"]
