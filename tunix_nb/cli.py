@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -62,8 +63,14 @@ GRPO_DEFAULTS = {"group_size": 8, "beta": 0.04, "epsilon": 0.2, "advantage": "gr
 RUN_DEFINING = ("command", "model", "teacher", "init_from", "beta", "loss_type", "sft_weight",
                 "length_normalize", "steps", "batch_size", "seed", "learning_rate", "warmup_steps",
                 "compute_dtype", "group_size", "epsilon", "epsilon_high", "advantage", "aggregation",
-                "kl_estimator", "num_iterations", "temperature", "max_new_tokens", "rewards")
+                "kl_estimator", "num_iterations", "temperature", "max_new_tokens", "rewards",
+                "lora_rank", "lora_alpha", "lora_targets", "quantize")
+# as tunix_nb.lora.QUANTIZE and DEFAULT_TARGETS, without importing JAX
+QUANTIZE_CHOICES = ("none", "nf4", "int8")
+LORA_DEFAULT_TARGETS = r".*(attn/(q|k|v|out)|mlp/(gate|up|down))"
+LORA_COMMANDS = ("sft", "dpo", "grpo")
 DEFAULT_LEARNING_RATE = {"sft": 3e-3, "distill": 3e-3, "dpo": 1e-3, "grpo": 3e-4}
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "quantize")
 GRPO_FLAGS = ("group_size", "epsilon", "epsilon_high", "advantage", "aggregation", "kl_estimator",
               "num_iterations", "temperature", "max_new_tokens", "rewards")
 
@@ -159,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--rewards",
                       help=f"comma-separated reward functions, summed: {', '.join(REWARD_NAMES)} "
                            f"(default: {GRPO_DEFAULTS['rewards']})")
+    peft = parser.add_argument_group(
+        "LoRA / QLoRA (sft, dpo, grpo): train low-rank adapters on a frozen base; checkpoints hold the "
+        "adapters and their optimizer state, --export-params the merged model")
+    peft.add_argument("--lora-rank", type=_positive_int, help="train LoRA adapters of this rank instead of "
+                      "every parameter (default: off, full fine-tuning)")
+    peft.add_argument("--lora-alpha", type=_positive_float,
+                      help="the adapters' scale is alpha / rank (default: the rank, as Tunix's examples)")
+    peft.add_argument("--lora-targets", help="regex of the layers that get adapters "
+                      f"(default: {LORA_DEFAULT_TARGETS.replace('%', '%%')}, every projection)")
+    peft.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                      help="store the frozen base quantised: nf4 is QLoRA (default: none)")
     parser.add_argument("--steps", type=_positive_int, default=300,
                         help="total training steps (grpo: rollouts, each followed by --num-iterations updates)")
     parser.add_argument("--batch-size", type=_positive_int, default=64,
@@ -210,6 +228,7 @@ def _check_flags(parser, args) -> None:
     for name, commands in only.items():
         if getattr(args, name) is not None and args.command not in commands:
             parser.error(f"--{name.replace('_', '-')} applies only to {' and '.join(commands)}, not {args.command}")
+    _check_lora_flags(parser, args)
     if args.command == "dpo" and args.beta is not None and not args.beta > 0:
         parser.error(f"argument --beta: {args.beta} must be greater than 0")
     if args.command == "grpo":
@@ -245,6 +264,28 @@ def _check_flags(parser, args) -> None:
     if args.distributed and args.parallel not in MESH_CHOICES:
         parser.error(f"--parallel {args.parallel} runs within one process; with several processes use "
                      f"one of {', '.join(MESH_CHOICES)}")
+
+
+def _check_lora_flags(parser, args) -> None:
+    """LoRA's flags need --lora-rank and a command that takes them; fill in their defaults."""
+    given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "quantize")
+             if getattr(args, n) is not None]
+    if args.lora_rank is None:
+        if given:
+            parser.error(f"{', '.join(given)} need(s) --lora-rank: LoRA is off without it")
+        return
+    if args.command not in LORA_COMMANDS:
+        parser.error(f"--lora-rank applies only to {', '.join(LORA_COMMANDS)}, not {args.command}")
+    if args.distributed or args.coordinator is not None:
+        parser.error("--lora-rank runs in one process: drop --distributed and the process flags, and use "
+                     "--devices with any --parallel")
+    args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    args.lora_targets = args.lora_targets or LORA_DEFAULT_TARGETS
+    try:
+        re.compile(args.lora_targets)
+    except re.error as err:
+        parser.error(f"--lora-targets {args.lora_targets!r} is not a regular expression ({err})")
+    args.quantize = args.quantize or "none"
 
 
 def _check_grpo_flags(parser, args) -> None:
@@ -301,6 +342,11 @@ class RunConfig:
     temperature: float | None = None
     max_new_tokens: int | None = None
     rewards: str | None = None
+    # LoRA / QLoRA (None: every parameter trains)
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: str | None = None
+    quantize: str | None = None
 
     def clashes_with(self, saved: dict) -> dict:
         """{field: (saved, given)} for every run-defining field that differs from a saved config."""
@@ -317,9 +363,12 @@ class Method:
     rows: dict
     objective: object
     frozen: object = None
-    # on-policy methods (grpo): (parallel_mode, mesh) -> rollout_fn for train.run_on_policy;
-    # `frozen` is then the reference the rollout scores with
+    # on-policy methods (grpo): (parallel_mode, mesh) -> rollout_fn for train.run_on_policy,
+    # and the reference the rollout scores with
     make_rollout: object = None
+    reference: object = None
+    # the trained params -> (graphdef, params) of the plain model to export (LoRA: merged)
+    exportable: object = None
 
 
 def resolve_config(args) -> RunConfig:
@@ -351,7 +400,8 @@ def resolve_config(args) -> RunConfig:
                      length_normalize=args.length_normalize, steps=args.steps, batch_size=args.batch_size,
                      seed=args.seed, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
                      compute_dtype=compute_dtype,
-                     **{name: getattr(args, name) for name in GRPO_FLAGS if args.command == "grpo"})
+                     **{name: getattr(args, name) for name in GRPO_FLAGS if args.command == "grpo"},
+                     **{name: getattr(args, name) for name in LORA_FLAGS})
 
 
 def check_devices(config: RunConfig, parallel_mode: str) -> None:
@@ -381,45 +431,99 @@ def open_checkpoints(args, config: RunConfig):
     return manager
 
 
+@dataclasses.dataclass
+class Trainable:
+    """What the step trains: every parameter, or (LoRA) adapters on a frozen base."""
+
+    graphdef: object
+    params: object
+    base: object = None  # LoRA: the frozen base (quantised for QLoRA); None: full fine-tuning
+    alpha: float | None = None
+
+    @property
+    def lora(self) -> bool:
+        return self.base is not None
+
+    def objective(self, method_objective):
+        from tunix_nb import lora
+
+        return lora.objective(method_objective) if self.lora else method_objective
+
+    def frozen(self, method_frozen=None):
+        from tunix_nb import lora
+
+        return lora.frozen(self.base, method_frozen) if self.lora else method_frozen
+
+    def reference(self):
+        """The starting model's state: with LoRA, the base with the adapters switched off."""
+        from tunix_nb import lora
+
+        return lora.combine(lora.switched_off(self.params), self.base) if self.lora else self.params
+
+    def exportable(self, params):
+        """(graphdef, params) of the plain model: with LoRA, the adapters merged into the base."""
+        from tunix_nb import lora
+
+        return lora.merge(self.graphdef, params, self.base, alpha=self.alpha) if self.lora else (self.graphdef, params)
+
+
+def trainable(config: RunConfig, graphdef, params) -> Trainable:
+    from tunix_nb import lora
+
+    if config.lora_rank is None:
+        return Trainable(graphdef, params)
+    try:
+        lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=config.lora_rank, alpha=config.lora_alpha,
+                                                   targets=config.lora_targets, quantize=config.quantize,
+                                                   seed=config.seed)
+    except ValueError as err:  # targets that match nothing, a tile size that does not divide
+        raise FlagError(f"--lora-targets / --quantize: {err}")
+    return Trainable(lora_graphdef, adapters, base, config.lora_alpha)
+
+
 def build_method(config: RunConfig) -> Method:
     """The model, data rows, objective and frozen parameters of `config.command`."""
-    from tunix_nb import checkpoint, data, distill, dpo, grpo, model, precision, rewards, sft
+    from tunix_nb import checkpoint, data, distill, dpo, grpo, lora, model, precision, rewards, sft
     from tunix_nb.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()
     graphdef, params = model.split(model.make_model(config.model, seed=config.seed))
     dtype = precision.resolve_compute_dtype(config.compute_dtype)
-    if config.command == "dpo":  # policy and frozen reference both start from the SFT checkpoint
+    if config.init_from:  # dpo, grpo: the policy and the reference start from the SFT checkpoint
         params = checkpoint.params_into(params, checkpoint.load_params(config.init_from))
+    t = trainable(config, graphdef, params)
+    if config.command == "dpo":
         rows = data.preference_arrays(data.load_preferences(), tokenizer, data.DEFAULT_SEQ_LEN)
-        # cached once: the reference never changes
-        rows = dpo.reference_log_probs(graphdef, params, rows, length_normalize=config.length_normalize,
+        # cached once: the reference never changes (with LoRA: the base, adapters switched off)
+        rows = dpo.reference_log_probs(t.graphdef, t.reference(), rows, length_normalize=config.length_normalize,
                                        compute_dtype=dtype)
-        objective = dpo.objective(graphdef, beta=config.beta, loss_type=config.loss_type,
+        objective = dpo.objective(t.graphdef, beta=config.beta, loss_type=config.loss_type,
                                   sft_weight=config.sft_weight, length_normalize=config.length_normalize,
                                   compute_dtype=dtype)
-        return Method(graphdef, params, rows, objective)
-    if config.command == "grpo":  # the policy starts from the SFT checkpoint, which stays as the reference
-        params = checkpoint.params_into(params, checkpoint.load_params(config.init_from))
+        return Method(t.graphdef, t.params, rows, t.objective(objective), frozen=t.frozen(), exportable=t.exportable)
+    if config.command == "grpo":  # the SFT checkpoint stays as the reference
         examples = data.load_sft()
         reward_set = rewards.combine([grpo.REWARD_FUNCTIONS[n] for n in config.rewards.split(",")])
-        objective = grpo.objective(graphdef, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+        objective = grpo.objective(t.graphdef, epsilon=config.epsilon, epsilon_high=config.epsilon_high,
                                    beta=config.beta, kl_estimator=config.kl_estimator,
                                    aggregation=config.aggregation, compute_dtype=dtype)
 
         def make_rollout(parallel_mode, mesh):
-            return grpo.make_rollout(graphdef, examples, reward_set, batch_size=config.batch_size,
-                                     group_size=config.group_size, seed=config.seed, estimator=config.advantage,
-                                     num_iterations=config.num_iterations, beta=config.beta,
-                                     max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                     compute_dtype=dtype, parallel_mode=parallel_mode, mesh=mesh,
-                                     tokenizer=tokenizer)
+            rollout_fn = grpo.make_rollout(
+                t.graphdef, examples, reward_set, batch_size=config.batch_size, group_size=config.group_size,
+                seed=config.seed, estimator=config.advantage, num_iterations=config.num_iterations,
+                beta=config.beta, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                compute_dtype=dtype, parallel_mode=parallel_mode, mesh=mesh, tokenizer=tokenizer)
+            # with LoRA the reference is the base itself: no second copy of the weights
+            return lora.rollout(rollout_fn, with_reference=config.beta > 0) if t.lora else rollout_fn
 
-        return Method(graphdef, params, grpo.prompt_rows(examples, tokenizer), objective,
-                      frozen=params if config.beta > 0 else None, make_rollout=make_rollout)
+        reference = t.params if config.beta > 0 and not t.lora else None
+        return Method(t.graphdef, t.params, grpo.prompt_rows(examples, tokenizer), t.objective(objective),
+                      frozen=t.frozen(), make_rollout=make_rollout, reference=reference, exportable=t.exportable)
     rows = data.sft_arrays(data.load_sft(), tokenizer, data.DEFAULT_SEQ_LEN)
     if config.command == "sft":
-        return Method(graphdef, params, rows, sft.objective(graphdef, compute_dtype=dtype))
+        return Method(t.graphdef, t.params, rows, t.objective(sft.objective(t.graphdef, compute_dtype=dtype)),
+                      frozen=t.frozen(), exportable=t.exportable)
     teacher_graphdef, teacher_params = distill.load_teacher(config.teacher)
     return Method(graphdef, params, rows, distill.objective(graphdef, teacher_graphdef, compute_dtype=dtype),
                   frozen=teacher_params)
@@ -539,7 +643,7 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, m
         else:  # on-policy: each step samples its batch with the current params
             params, opt_state, _ = train.run_on_policy(step_fn, params, opt_state, rollout_fn,
                                                        num_iterations=config.num_iterations,
-                                                       reference=method.frozen, **common)
+                                                       reference=method.reference, frozen=method.frozen, **common)
         step += chunk
         if manager is not None:
             checkpoint.save(manager, step, params=params, opt_state=opt_state,
@@ -598,7 +702,9 @@ def main(argv=None) -> int:
         _say(f"Stopped after step {step} of {config.steps} (--stop-after); run the same command "
              "without it to resume.")
     else:
-        if args.export_params:
+        if args.export_params:  # with LoRA: the adapters merged into the base, a plain model
+            if method.exportable is not None:
+                _, params = method.exportable(params)
             checkpoint.export_params(params, args.export_params, step=step,
                                      meta={"model": config.model, "config": dataclasses.asdict(config)})
         _say(f"Done: {config.command} {config.model}, {config.steps} steps"

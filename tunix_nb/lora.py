@@ -23,17 +23,21 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-# Tunix's examples adapt every projection of attention and the MLP.
+# Tunix's examples adapt every projection of attention and the MLP, with alpha = rank
+# (their Gemma GRPO example: rank 64, alpha 64.0), so the adapters' scale is 1.
 DEFAULT_TARGETS = r".*(attn/(q|k|v|out)|mlp/(gate|up|down))"
+DEFAULT_RANK = 8
 QUANTIZE = ("none", "nf4", "int8")
 DEFAULT_TILE_SIZE = 32  # values per quantisation scale (nf4/int8), along each kernel's input axis
 
 
-def provider(*, rank: int, alpha: float, targets: str = DEFAULT_TARGETS, quantize: str = "none",
+def provider(*, rank: int, alpha: float | None = None, targets: str = DEFAULT_TARGETS, quantize: str = "none",
              tile_size: int = DEFAULT_TILE_SIZE) -> qwix.LoraProvider:
-    """A qwix LoraProvider for the layers whose path matches `targets` (a regex)."""
+    """A qwix LoraProvider for the layers whose path matches `targets` (a regex); alpha
+    defaults to the rank."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    alpha = rank if alpha is None else alpha
     if not alpha > 0:
         raise ValueError(f"alpha must be positive, got {alpha!r} (the adapters' scale is alpha / rank).")
     if quantize not in QUANTIZE:
@@ -42,7 +46,7 @@ def provider(*, rank: int, alpha: float, targets: str = DEFAULT_TARGETS, quantiz
     return qwix.LoraProvider(module_path=targets, rank=rank, alpha=float(alpha), **kwargs)
 
 
-def apply(graphdef, params, *, rank: int = 8, alpha: float = 16.0, targets: str = DEFAULT_TARGETS,
+def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = None, targets: str = DEFAULT_TARGETS,
           quantize: str = "none", tile_size: int = DEFAULT_TILE_SIZE, seed: int = 0):
     """(graphdef, adapters, base): the model with adapters on the matching layers.
 
@@ -86,6 +90,20 @@ def objective(method_objective):
         return method_objective(combine(adapters, frozen_state["base"]), batch, frozen_state["method"])
 
     return adapter_objective
+
+
+def rollout(rollout_fn, *, with_reference: bool):
+    """An on-policy rollout (`grpo.make_rollout`) for a LoRA policy: it samples with the
+    adapted model and scores the reference with the adapters switched off, so the base
+    is the reference and no second copy of the weights exists. For `train.run_on_policy`
+    with `frozen=lora.frozen(base)` and no `reference`."""
+
+    def lora_rollout_fn(step, adapters, reference, frozen):
+        base = frozen["base"]
+        reference = combine(switched_off(adapters), base) if with_reference else None
+        return rollout_fn(step, combine(adapters, base), reference)
+
+    return lora_rollout_fn
 
 
 def switched_off(adapters):

@@ -117,7 +117,8 @@ class Placement:
 
 
 def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: int, start_step: int = 0,
-                  num_iterations: int = 1, parallel_mode: str = "jit", reference=None, desc: str = "rl",
+                  num_iterations: int = 1, parallel_mode: str = "jit", reference=None, frozen=None,
+                  desc: str = "rl",
                   progress: bool = True, on_step: Callable[[int, dict], None] | None = None,
                   keep_placement: bool = False):
     """On-policy RL (GRPO): every step samples a batch with the current policy, then
@@ -129,7 +130,9 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
     batch as host arrays plus its own metrics (Python floats: rewards, lengths). The
     batch is placed as in `run` and the step applied to it `num_iterations` times (μ,
     Tunix's `num_iterations`); `reference` is not passed to the step (the rollout
-    puts what the objective needs of it, e.g. its log-probs, in the batch).
+    puts what the objective needs of it, e.g. its log-probs, in the batch). `frozen`, when
+    given (a LoRA policy's base: `lora.frozen(base)`), is placed like the state, passed to
+    every step and to `rollout_fn` as a fourth argument.
 
     One record per step: the rollout's metrics, the updates' metrics averaged over the
     μ updates, and "time/rollout_s" and "time/update_s": wall seconds of the rollout
@@ -139,18 +142,19 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
     if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
         raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations!r}.")
     place = Placement(step_fn, parallel_mode, keep_placement, caller="run_on_policy()")
-    params, opt_state, reference = place.state(params, opt_state, reference)
+    params, opt_state, (reference, frozen) = place.state(params, opt_state, (reference, frozen))
+    extra = () if frozen is None else (frozen,)
 
     history = []
     bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
     for step in bar:
         started = time.perf_counter()
-        batch, rollout_metrics = rollout_fn(step, params, reference)
+        batch, rollout_metrics = rollout_fn(step, params, reference, *extra)
         sampled = time.perf_counter()
         batch = place.batch(batch)
         updates = []
         for _ in range(num_iterations):
-            params, opt_state, metrics = step_fn(params, opt_state, batch, None)
+            params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
             updates.append(place.metrics(metrics))
         jax.block_until_ready(params)
         updated = time.perf_counter()
