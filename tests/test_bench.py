@@ -52,6 +52,14 @@ def test_details_hold_the_measured_parts(quick_results):
     assert figs["ckpt_save_over_disk_bandwidth"]["state_bytes"] >= 16 * 2**20
     assert set(figs["dp_overhead"]["per_strategy"]) == {"pmap", "shard_map", "dp"}
     assert set(figs["compile_share"]["per_step"]) == {"03 sft step"}  # --quick compiles one step
+    table = figs["lora_optimizer_state_share"]["table"]
+    assert set(table) == {name for name, *_ in bench.LORA_SETTINGS}
+    assert table["full"]["trainable_share"] == 1.0 and 0.3 < table["lora r16"]["trainable_share"] < 0.35
+    # Adam's two moments per trainable parameter, float32: the state shrinks with the share
+    for row in table.values():
+        assert 8 * row["trainable_params"] <= row["optimizer_state_bytes"] <= 8 * row["trainable_params"] + 64
+    assert table["qlora nf4 r16"]["frozen_bytes"] < table["lora r16"]["frozen_bytes"] / 2
+    assert set(figs["lora_step_time_ratio"]["thin_matmul_profile"]) == {"dense", "r1", "r4", "r16"}
 
 
 def test_plots_are_written(quick_results):

@@ -60,13 +60,35 @@ def bench(name, readme, *keys, **kw):
 
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
 N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", "07_benchmarks"
-N08, N09 = "08_grpo", "09_hf_checkpoints"
+N08, N09, N10 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora"
 F = "figures."
+LORA = F + "lora_optimizer_state_share."  # the LoRA study's table and settings live with this figure
+P = F + "lora_step_time_ratio.thin_matmul_profile."
+LORA_ROWS = {"full fine-tuning": "full", "LoRA r1": "lora r1", "LoRA r4": "lora r4", "LoRA r16": "lora r16",
+             "QLoRA nf4 r16": "qlora nf4 r16"}
+
+
+def lora_table_figures():
+    """Every cell of the README's LoRA table: shares, bytes, and time and FLOPs relative to full."""
+    out = []
+    for label, key in LORA_ROWS.items():
+        row, full = f"{LORA}table.{key}.", f"{LORA}table.full."
+        cells = [("share", "{}%", (row + "trainable_share",), "one", 100.0),
+                 ("Adam state", "{}", (row + "optimizer_state_bytes",), "one", 1.0),
+                 ("checkpoint", "{}", (row + "checkpoint_bytes",), "one", 1.0),
+                 ("step time", "{}", (row + "step_seconds", full + "step_seconds"), "ratio", 1.0),
+                 ("FLOPs", "{}", (row + "step_flops", full + "step_flops"), "ratio", 1.0),
+                 ("exact match", "{}%", (row + "exact_match",), "one", 100.0)]
+        for i, (column, template, keys, combine, scale) in enumerate(cells):
+            before = " | ".join(["{n}%" if c[1].endswith("%") else "{n}" for c in cells[:i]])
+            readme = f"| {label} | " + (before + " | " if before else "") + template + " |"
+            out.append(bench(f"LoRA table: {label}, {column}", readme, *keys, combine=combine, scale=scale))
+    return out
 
 FIGURES = [
     # ------------------------------------------------------------ Learning path: the cells' time
     *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
-      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09)],
+      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10)],
     # ------------------------------------------------------------ Results the lessons measure
     nb("08 GRPO 8 devices vs 1", "after 2 steps | {} |", N08, r"vs 1 after 2 GRPO steps: largest parameter difference {}"),
     nb("08 greedy exact match, SFT", "the lesson shows why) | {}% →", N08, r"greedy, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
@@ -78,6 +100,13 @@ FIGURES = [
        r"largest difference from transformers' logits: {} \("),
     nb("09 SFT steps on the fixture", "random weights, {} SFT steps", N09, r"{} steps of 32 rows"),
     nb("09 exact match before", "held-out exact match | {}% →", N09, r"held-out exact match\s+{}% ->"),
+    nb("10 adapters' share", "adapters' share of its parameters | {}% |", N10, r"adapters {n} \({}%\)"),
+    nb("10 student before", "fresh prompts from the student ({}%)", N10, r"exact match: student {}%; after"),
+    nb("10 full after 100 steps", "QLoRA nf4 r16 | {}% /", N10, r"full {}%, LoRA r16"),
+    nb("10 LoRA after 100 steps", "QLoRA nf4 r16 | {n}% / {}% /", N10, r"LoRA r16 {}%\n"),
+    nb("10 QLoRA after 100 steps", "QLoRA nf4 r16 | {n}% / {n}% / {}% |", N10, r"after {n} steps {}%\n"),
+    nb("10 SFT steps", "after {} SFT steps on fresh prompts", N10, r"after {} steps: full"),
+    nb("10 DPO loss at step 1", "(log 2: the policy is the reference) | {} |", N10, r"step 1: loss {} \(log 2"),
     nb("09 exact match after", "held-out exact match | {n}% → {}% |", N09, r"held-out exact match\s+{n}% -> {}%"),
     nb("01 loop / vmap, B = 64", "Python loop of jit'd calls / `vmap`, B = 64 | {}x |",
        N01, r"B= 64\s+loop.*loop/vmap\s+{}x"),
@@ -127,6 +156,19 @@ FIGURES = [
     nb("06 2x4 vs 1x8 (results table)", "after 10 FSDP steps | {} |",
        N06, r"2 processes x 4 devices vs 1 process x 8 devices: {}"),
     # ------------------------------------------------------------ the benchmark table
+    bench("lora_optimizer_state_share", "| `lora_optimizer_state_share` {...} | {} |", F + "lora_optimizer_state_share.value"),
+    bench("lora_step_time_ratio", "| `lora_step_time_ratio` {...} | {} |", F + "lora_step_time_ratio.value"),
+    bench("lora_exact_match_over_full", "| `lora_exact_match_over_full` {...} | {} |", F + "lora_exact_match_over_full.value"),
+    *lora_table_figures(),
+    bench("lora study: steps", "student (55.0% held-out exact match), {} steps of", LORA + "steps"),
+    bench("lora study: start", "student ({}% held-out exact match), 300", LORA + "exact_match_before", scale=100),
+    bench("lora study: batch", "steps of {} fresh prompts", LORA + "batch_size"),
+    bench("lora study: quantised loss", "the quantised student's loss is {} against", LORA + "table.qlora nf4 r16.loss_first"),
+    bench("lora study: float loss", "loss is {n} against {})", LORA + "table.full.loss_first"),
+    bench("thin matmul r4 time", "projection at {} of the dense x W", P + "r4.time_over_dense"),
+    bench("thin matmul r4 flops", "dense x W for {} of its FLOPs at rank 4", P + "r4.flops_over_dense"),
+    bench("thin matmul r16 time", "and {} for {n} at rank 16;", P + "r16.time_over_dense"),
+    bench("thin matmul r16 flops", "and {n} for {} at rank 16;", P + "r16.flops_over_dense"),
     bench("repeats per figure", "medians over {} repeats", "settings.repeats"),
     bench("vmap_speedup_over_loop", "{n}x at B = 256) | {}x |", F + "vmap_speedup_over_loop.value"),
     bench("vmap_speedup_over_loop batch size", "`vmap_speedup_over_loop` (B = {};",
@@ -248,6 +290,8 @@ TABLES = {
     "| notebook | what it teaches | cells' time* |": ("cells' time*",),
     "| lesson | figure | value |": ("value",),
     "| figure | measured | target | the articles' claim |": ("measured", "target"),
+    "| setting | trainable share | Adam state (bytes) | checkpoint (bytes) | step time | FLOPs | held-out exact match |":
+        ("trainable share", "Adam state (bytes)", "checkpoint (bytes)", "step time", "FLOPs", "held-out exact match"),
 }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from tunix_nb import checkpoint, data, hf, losses, model
 from tunix_nb.tokenizer import ByteTokenizer
-from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09
+from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09, lesson10
 
 N = 8  # conftest.py simulates 8 CPU devices
 
@@ -344,3 +344,30 @@ def test_lesson09_ex3_untying_keeps_the_logits_and_adds_an_lm_head(tmp_path):
     assert np.array_equal(model.apply(graphdef, params, tokens), model.apply(graphdef2, params2, tokens))
     out = hf.save_pretrained(tmp_path, graphdef2, params2, config2)
     assert "lm_head.weight" in hf.tensor_files(out) and not hf.read_config(out)["tie_word_embeddings"]
+
+
+# ------------------------------------------------------------------ 10 LoRA and QLoRA
+
+
+def test_lesson10_ex1_adapter_parameters_in_closed_form():
+    from tunix_nb import lora
+
+    graphdef, params = model.split(model.make_model("student"))
+    for rank in (1, 4, 16):
+        assert lesson10.adapter_params(model.get_config("student"), rank) == lora.count(
+            lora.apply(graphdef, params, rank=rank)[1]) == 2560 * rank
+    qwen3 = hf.model_config(lesson09.QWEN3_0_6B)
+    assert lesson10.adapter_params(qwen3, 16) == 10_092_544
+    assert round(10_092_544 / lesson09.param_count(lesson09.QWEN3_0_6B)["params"], 3) == 0.017
+
+
+def test_lesson10_ex2_b_at_zero_starts_at_the_base_and_random_b_does_not():
+    out = lesson10.start_with_random_b()
+    assert out["b_zero"] == 0.0 and out["b_random"] > 5.0
+
+
+def test_lesson10_ex3_int8_costs_little_and_nf4_costs_more():
+    out = lesson10.quantisation_cost(n_eval=100)
+    assert 0 < out["int8"]["kernel_rel_error"] < 0.01 < out["nf4"]["kernel_rel_error"] < 0.15
+    assert abs(out["int8"]["eval_loss"] - out["none"]["eval_loss"]) < 0.005
+    assert out["nf4"]["eval_loss"] > out["none"]["eval_loss"] + 0.02

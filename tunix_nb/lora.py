@@ -136,7 +136,7 @@ def merge(lora_graphdef, adapters, base, *, alpha: float):
     adapted = nnx.merge(lora_graphdef, combine(adapters, base))
     plain_graphdef, plain = hf.abstract_model(adapted.cfg)
     pure = nnx.to_pure_dict(base)
-    for path, layer in adapted.iter_modules():
+    for path, layer in nnx.iter_modules(adapted):
         if not hasattr(layer, "kernel_lora_a"):
             continue
         a, b = layer.kernel_lora_a[...], layer.kernel_lora_b[...]
