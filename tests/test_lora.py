@@ -123,9 +123,10 @@ def test_training_moves_only_the_adapters_and_the_optimizer_state_is_theirs(lora
                                                               rank=4, alpha=8.0)[2])
 
 
-@pytest.mark.parametrize("mode", ["pmap", "fsdp"])
-def test_adapter_training_under_pmap_and_fsdp_matches_jit(lora_sft, lora_jit, mode):
-    """pmap replicates the base; fsdp keeps it split over the devices in `frozen`."""
+@pytest.mark.parametrize("mode", ["pmap", "shard_map", "dp", "fsdp"])
+def test_adapter_training_under_every_strategy_matches_jit(lora_sft, lora_jit, mode):
+    """pmap, shard_map and dp replicate the adapters and the base; fsdp splits both (the
+    base in `frozen`), and the step gathers them whole."""
     adapters, _, _ = run_lora(lora_sft, mode)
     assert compare.max_abs_diff(adapters, lora_jit[0]) < 1e-5
 

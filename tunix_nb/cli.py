@@ -64,7 +64,7 @@ RUN_DEFINING = ("command", "model", "teacher", "init_from", "beta", "loss_type",
                 "length_normalize", "steps", "batch_size", "seed", "learning_rate", "warmup_steps",
                 "compute_dtype", "group_size", "epsilon", "epsilon_high", "advantage", "aggregation",
                 "kl_estimator", "num_iterations", "temperature", "max_new_tokens", "rewards",
-                "lora_rank", "lora_alpha", "lora_targets", "quantize")
+                "lora_rank", "lora_alpha", "lora_targets", "quantize", "grad_accum")
 # as tunix_nb.lora.QUANTIZE and DEFAULT_TARGETS, without importing JAX
 QUANTIZE_CHOICES = ("none", "nf4", "int8")
 LORA_DEFAULT_TARGETS = r".*(attn/(q|k|v|out)|mlp/(gate|up|down))"
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="peak learning rate (default: 3e-3; dpo: 1e-3; grpo: 3e-4)")
     parser.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: 10%% of --steps, at most "
                         "20; grpo: counted in rollouts, the schedule in updates)")
+    parser.add_argument("--grad-accum", type=_positive_int, default=1,
+                        help="split each device's share of the batch into K micro-batches, summed and divided "
+                             "once: the same update with one micro-batch's activations at a time")
     parser.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: float32 on CPU, bfloat16 on TPU/GPU (params stay float32)")
     parser.add_argument("--ckpt-dir", help="where to save checkpoints; resumes from the newest one there")
@@ -331,6 +334,7 @@ class RunConfig:
     learning_rate: float
     warmup_steps: int
     compute_dtype: str
+    grad_accum: int = 1
     # grpo only (None for the other commands)
     group_size: int | None = None
     epsilon: float | None = None
@@ -351,7 +355,10 @@ class RunConfig:
     def clashes_with(self, saved: dict) -> dict:
         """{field: (saved, given)} for every run-defining field that differs from a saved config."""
         given = dataclasses.asdict(self)
-        return {k: (saved.get(k), given[k]) for k in RUN_DEFINING if saved.get(k) != given[k]}
+        # a field newer than the checkpoint counts as its default (the run it describes used it)
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+        saved = {k: saved.get(k, defaults.get(k)) for k in RUN_DEFINING}
+        return {k: (saved[k], given[k]) for k in RUN_DEFINING if saved[k] != given[k]}
 
 
 @dataclasses.dataclass
@@ -399,7 +406,7 @@ def resolve_config(args) -> RunConfig:
                      beta=args.beta, loss_type=args.loss_type, sft_weight=args.sft_weight,
                      length_normalize=args.length_normalize, steps=args.steps, batch_size=args.batch_size,
                      seed=args.seed, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                     compute_dtype=compute_dtype,
+                     compute_dtype=compute_dtype, grad_accum=args.grad_accum,
                      **{name: getattr(args, name) for name in GRPO_FLAGS if args.command == "grpo"},
                      **{name: getattr(args, name) for name in LORA_FLAGS})
 
@@ -411,6 +418,11 @@ def check_devices(config: RunConfig, parallel_mode: str) -> None:
     if config.batch_size % n_devices:
         raise FlagError(f"--batch-size {config.batch_size} does not divide by the {n_devices} devices; "
                        f"use a multiple of {n_devices}")
+    rows = config.batch_size * (config.group_size or 1)  # grpo trains on every completion
+    if rows % (n_devices * config.grad_accum):
+        raise FlagError(f"--grad-accum {config.grad_accum}: the {rows // n_devices} rows per device do not "
+                       f"divide into {config.grad_accum} micro-batches; use a --batch-size whose rows per "
+                       f"device are a multiple of {config.grad_accum}")
 
 
 def open_checkpoints(args, config: RunConfig):
@@ -686,7 +698,8 @@ def main(argv=None) -> int:
             learning_rate=config.learning_rate, warmup_steps=config.warmup_steps * updates,
             total_steps=config.steps * updates))
         mesh = parallel.make_mesh() if args.parallel in MESH_CHOICES else None  # every process's devices
-        step_fn = train.make_step(method.objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh)
+        step_fn = train.make_step(method.objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh,
+                                  grad_accum=config.grad_accum)
         run_key = jax.random.key(config.seed)
         method.params, opt_state, start = resume(manager, args, method.params, optimizer.init(method.params),
                                                  run_key, mesh)

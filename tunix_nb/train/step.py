@@ -56,7 +56,7 @@ PARALLEL_MODES = ("jit", "pmap", "shard_map", "dp", "fsdp")
 
 
 def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, parallel_mode="jit",
-              all_reduce: bool = True, donate: bool = False, mesh=None):
+              all_reduce: bool = True, donate: bool = False, mesh=None, grad_accum: int = 1):
     """A compiled training step for `objective` under one of `PARALLEL_MODES`.
 
     Under pmap, params/opt_state/frozen are replicated and the batch is sharded
@@ -71,7 +71,12 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     own shard): it exists only to measure what the all-reduce costs. `donate=True` lets
     XLA reuse the input params/opt_state buffers for the outputs (less memory on an
     accelerator), but then the arrays passed in are deleted by the call.
+    `grad_accum=K` runs each device's rows as K micro-batches in turn (rows k, k + K, ...),
+    summing loss sums, weights and gradients and dividing once: the whole batch's update,
+    with the activations of one micro-batch at a time.
     """
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}.")
     if parallel_mode not in PARALLEL_MODES:
         raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
     if not all_reduce and parallel_mode in ("dp", "fsdp"):
@@ -88,34 +93,66 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     def all_reduce_sum(tree):  # per-device code sums over devices; jit on a mesh sees it whole
         return lax.psum(tree, axis) if axis is not None and all_reduce else tree
 
-    def step(params, opt_state, batch, frozen=None):
-        if gather is not None and frozen is not None:
-            frozen = gather(frozen)
+    def local_terms(p, batch, frozen):
+        if gather is not None:  # XLA all-gathers here, and reduce-scatters the gradient back
+            p = gather(p)
+        loss_sums, weights, metrics = objective(p, batch, frozen)
+        return as_terms(loss_sums), (as_terms(weights), metrics)
 
-        def local_terms(p):
-            if gather is not None:  # XLA all-gathers here, and reduce-scatters the gradient back
-                p = gather(p)
-            loss_sums, weights, metrics = objective(p, batch, frozen)
-            return as_terms(loss_sums), (as_terms(weights), metrics)
-
-        loss_sums, pullback, (weights, metrics) = jax.vjp(local_terms, params, has_aux=True)
+    def whole_batch(params, batch, frozen):
+        """(loss sums, weights, grads, metrics, metric sums) of the batch, reduced over devices."""
+        loss_sums, pullback, (weights, metrics) = jax.vjp(lambda p: local_terms(p, batch, frozen), params,
+                                                          has_aux=True)
         metrics, metric_sums = split_metric_sums(metrics)
-        if set(weights) != set(loss_sums):
-            raise ValueError(f"The objective's loss sums {sorted(loss_sums)} and weights {sorted(weights)} must "
-                             "name the same terms.")
+        check_terms(loss_sums, weights)
         if len(loss_sums) == 1:  # the usual case: one all-reduce of (sum, weight, grads), divide once
             (grads,) = pullback({k: jnp.ones_like(v) for k, v in loss_sums.items()})
             loss_sums, weights, grads = all_reduce_sum((loss_sums, weights, grads))
             weights = {k: jnp.maximum(w, 1.0) for k, w in weights.items()}  # no completion tokens: no NaN
             (weight,) = weights.values()
-            grads = jax.tree.map(lambda g: g / weight, grads)
-        else:  # terms over different counts: the global counts first, then the backward pass
-            loss_sums, weights = all_reduce_sum((loss_sums, weights))
-            weights = {k: jnp.maximum(w, 1.0) for k, w in weights.items()}
-            # weights count data, not parameters: the gradient of sum_k loss_sum_k / weight_k
-            # is the pullback of (1 / weight_k)_k
-            (grads,) = pullback({k: 1.0 / w for k, w in weights.items()})
-            grads = all_reduce_sum(grads)
+            return loss_sums, weights, jax.tree.map(lambda g: g / weight, grads), metrics, metric_sums
+        # terms over different counts: the global counts first, then the backward pass
+        loss_sums, weights = all_reduce_sum((loss_sums, weights))
+        weights = {k: jnp.maximum(w, 1.0) for k, w in weights.items()}
+        # weights count data, not parameters: the gradient of sum_k loss_sum_k / weight_k
+        # is the pullback of (1 / weight_k)_k
+        (grads,) = pullback({k: 1.0 / w for k, w in weights.items()})
+        return loss_sums, weights, all_reduce_sum(grads), metrics, metric_sums
+
+    def micro_batches(params, batch, frozen):
+        """As `whole_batch`, over `grad_accum` micro-batches in a `lax.scan`: each term's
+        loss sum, weight and gradient are summed over them, and divided once at the end,
+        so ragged micro-batches (unequal token counts) give the whole batch's update."""
+        split = jax.tree.map(lambda x: _micro_batches(x, grad_accum), batch)
+
+        def one(micro):
+            loss_sums, pullback, (weights, metrics) = jax.vjp(lambda p: local_terms(p, micro, frozen), params,
+                                                              has_aux=True)
+            check_terms(loss_sums, weights)
+            # one gradient per term: the terms' global weights are known only after the scan
+            grads = {k: pullback({j: jnp.ones_like(v) if j == k else jnp.zeros_like(v)
+                                  for j, v in loss_sums.items()})[0] for k in loss_sums}
+            return loss_sums, weights, grads, *split_metric_sums(metrics)
+
+        def add(total, micro):
+            return jax.tree.map(jnp.add, total, one(micro)), None
+
+        first = jax.tree.map(lambda x: x[0], split)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first))
+        (loss_sums, weights, term_grads, metrics, metric_sums), _ = lax.scan(add, zeros, split)
+        metrics = {k: v / grad_accum for k, v in metrics.items()}  # equal-sized micro-batches
+        loss_sums, weights, term_grads = all_reduce_sum((loss_sums, weights, term_grads))
+        weights = {k: jnp.maximum(w, 1.0) for k, w in weights.items()}
+        grads = jax.tree.map(lambda *g: sum(g), *[jax.tree.map(lambda x, k=k: x / weights[k], term_grads[k])
+                                                  for k in term_grads])
+        return loss_sums, weights, grads, metrics, metric_sums
+
+    def step(params, opt_state, batch, frozen=None):
+        if gather is not None and frozen is not None:
+            frozen = gather(frozen)
+        reduce = whole_batch if grad_accum == 1 else micro_batches
+        loss_sums, weights, grads, metrics, metric_sums = reduce(params, batch, frozen)
+        if len(loss_sums) > 1:
             metrics = {**metrics, **{f"loss/{k}": loss_sums[k] / weights[k] for k in loss_sums}}
         if axis is not None and all_reduce:
             metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
@@ -133,6 +170,22 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     if parallel_mode == "pmap":
         return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
     return MeshStep(step, mesh, parallel_mode, donate_argnums=donate_argnums)
+
+
+def check_terms(loss_sums: dict, weights: dict) -> None:
+    if set(weights) != set(loss_sums):
+        raise ValueError(f"The objective's loss sums {sorted(loss_sums)} and weights {sorted(weights)} must "
+                         "name the same terms.")
+
+
+def _micro_batches(x, k: int):
+    """[B, ...] -> [k, B/k, ...], micro-batch i holding rows i, i + k, i + 2k, ...: with rows
+    split over devices, every device keeps a share of every micro-batch."""
+    rows = x.shape[0]
+    if rows % k:
+        raise ValueError(f"The batch of {rows} rows (per device, under pmap and shard_map) does not divide "
+                         f"into grad_accum={k} micro-batches; use a batch size that is a multiple of {k}.")
+    return x.reshape(rows // k, k, *x.shape[1:]).swapaxes(0, 1)
 
 
 def as_terms(x) -> dict:
