@@ -34,7 +34,7 @@ def test_requirements_txt_is_the_lessons_plus_tools_and_the_kit():
     assert {"-r requirements-lessons.txt", "-e ."} <= set(requirement_lines("requirements.txt"))
     assert all(not line.startswith("-") for line in requirement_lines("requirements-lessons.txt"))
     tools = {line.split("==")[0] for line in requirement_lines("requirements.txt") if "==" in line}
-    assert tools == {"jupyterlab", "nbval", "pytest"}
+    assert tools == {"jupyterlab", "nbval", "pytest", "pytest-xdist"}
 
 
 def test_binder_start_exports_eight_devices():
