@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grad-accum", type=_positive_int, default=1,
                         help="split each device's share of the batch into K micro-batches, summed and divided "
                              "once: the same update with one micro-batch's activations at a time")
+    parser.add_argument("--remat", action="store_true",
+                        help="rematerialise each block: keep only its input for the backward pass and "
+                             "recompute the rest, trading about one more forward pass for activation memory "
+                             "(the same update; a run may resume with or without it)")
     parser.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="auto: float32 on CPU, bfloat16 on TPU/GPU (params stay float32)")
     parser.add_argument("--ckpt-dir", help="where to save checkpoints; resumes from the newest one there")
@@ -335,6 +339,7 @@ class RunConfig:
     warmup_steps: int
     compute_dtype: str
     grad_accum: int = 1
+    remat: bool = False  # how the step computes, not what: not run-defining
     # grpo only (None for the other commands)
     group_size: int | None = None
     epsilon: float | None = None
@@ -406,7 +411,7 @@ def resolve_config(args) -> RunConfig:
                      beta=args.beta, loss_type=args.loss_type, sft_weight=args.sft_weight,
                      length_normalize=args.length_normalize, steps=args.steps, batch_size=args.batch_size,
                      seed=args.seed, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
-                     compute_dtype=compute_dtype, grad_accum=args.grad_accum,
+                     compute_dtype=compute_dtype, grad_accum=args.grad_accum, remat=args.remat,
                      **{name: getattr(args, name) for name in GRPO_FLAGS if args.command == "grpo"},
                      **{name: getattr(args, name) for name in LORA_FLAGS})
 
@@ -499,7 +504,7 @@ def build_method(config: RunConfig) -> Method:
     from tunix_nb.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()
-    graphdef, params = model.split(model.make_model(config.model, seed=config.seed))
+    graphdef, params = model.split(model.make_model(config.model, seed=config.seed, remat=config.remat))
     dtype = precision.resolve_compute_dtype(config.compute_dtype)
     if config.init_from:  # dpo, grpo: the policy and the reference start from the SFT checkpoint
         params = checkpoint.params_into(params, checkpoint.load_params(config.init_from))

@@ -18,6 +18,8 @@ argument, where no gradient reaches it. Any method's objective works unchanged:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import qwix
@@ -55,14 +57,18 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
     """
     rule = provider(rank=rank, alpha=alpha, targets=targets, quantize=quantize, tile_size=tile_size)
     sample_tokens = jnp.ones((1, 2), jnp.int32)  # qwix traces one call to find the layers
+    module = nnx.merge(graphdef, params)
+    remat = module.cfg.remat  # qwix creates the adapters in that call: not inside a rematerialised block
+    module.cfg = dataclasses.replace(module.cfg, remat=False)
     try:
-        adapted = qwix.apply_lora_to_model(nnx.merge(graphdef, params), rule, sample_tokens, rngs=nnx.Rngs(seed))
+        adapted = qwix.apply_lora_to_model(module, rule, sample_tokens, rngs=nnx.Rngs(seed))
     except ValueError as err:
         if "cannot be tiled" not in str(err):
             raise
         raise ValueError(f"quantize={quantize!r} with tile_size={tile_size}: a kernel's input size does not "
                          f"divide by it ({err}). Pass a tile_size that divides every adapted layer's "
                          "input size.") from err
+    adapted.cfg = dataclasses.replace(adapted.cfg, remat=remat)
     lora_graphdef, adapters, base = nnx.split(adapted, nnx.LoRAParam, ...)
     if not jax.tree.leaves(adapters):
         raise ValueError(f"targets={targets!r} matched no layer. The kit's layers are named like "
