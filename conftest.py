@@ -1,4 +1,5 @@
-"""Every unit test and every nbval kernel sees 8 simulated CPU devices.
+"""Every unit test and every nbval kernel sees 8 simulated CPU devices and shares JAX's
+persistent compilation cache.
 
 This runs before any test module imports JAX. nbval starts its kernels as child
 processes, and they inherit the environment set here.
@@ -17,6 +18,9 @@ N_TEST_DEVICES = 8
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 devices.simulate_cpu_devices(N_TEST_DEVICES)
+# Programs compiled once are read back by every later process (workers, kernels, the
+# training command's runs) and by the next run of the suite: see devices.use_compile_cache.
+devices.use_compile_cache()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -153,3 +153,48 @@ def test_a_quick_figure_is_not_compared_with_its_target():
     assert bench.describe(fig).endswith("target >= 0.45 MISSED")
     assert "IQR 0.295-0.305, 3 rounds" in bench.describe(fig)
     assert bench.describe({**fig, "comparable_to_target": False}).endswith("[--quick: not comparable to the target]")
+
+
+def test_the_compile_cache_lives_outside_the_repository_and_can_be_switched_off(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from tunix_nb import devices
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.delenv(devices.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert devices.compile_cache_dir() == tmp_path / "tunix_nb" / "jax"
+    monkeypatch.setenv(devices.COMPILE_CACHE_ENV, "off")
+    assert devices.compile_cache_dir() is None and devices.use_compile_cache() is None
+    monkeypatch.setenv(devices.COMPILE_CACHE_ENV, str(tmp_path / "mine"))
+    assert devices.compile_cache_dir() == tmp_path / "mine"
+    # the suite itself (conftest.py) runs with the cache on, outside the repository
+    cache = Path(jax.config.jax_compilation_cache_dir)
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    assert repo not in cache.resolve().parents
+
+
+def test_a_cached_program_is_read_back_by_a_new_process(tmp_path):
+    """Two fresh processes compile the same step with the cache in tmp_path: the second
+    reads it back (a cache hit, JAX's own log says so) and computes the same loss."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jax, numpy as np, logging; logging.basicConfig(level=logging.DEBUG);\n"
+            "from tunix_nb import model, sft\n"
+            "g, p = model.split(model.make_model('tiny', seed=0))\n"
+            "t = np.arange(40, dtype=np.int32).reshape(2, 20) % 259\n"
+            "b = {'inputs': t, 'targets': t, 'loss_mask': np.ones(t.shape, np.float32), 'attention_mask': np.ones(t.shape, np.int32)}\n"
+            "print('LOSS', float(jax.jit(lambda p: sft.objective(g)(p, b)[0])(p)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))}
+    env.update(TUNIX_NB_COMPILE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    code = "from tunix_nb import devices; devices.use_compile_cache()\n" + code
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    losses = [next(line for line in r.stdout.splitlines() if line.startswith("LOSS")) for r in runs]
+    assert losses[0] == losses[1]
+    assert any((tmp_path / "cache").iterdir())
+    assert "Persistent compilation cache hit" in runs[1].stderr
+    assert "Persistent compilation cache hit" not in runs[0].stderr

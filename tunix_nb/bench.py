@@ -880,10 +880,19 @@ def _remat_memory_in_child(batch, seq_len) -> dict:
 
 
 def compile_times(only=None) -> dict:
-    """Compile and step seconds of each lesson's main step (runs in a child process too)."""
+    """Compile and step seconds of each lesson's main step (runs in a child process too).
+
+    Compiled for real: a persistent compilation cache configured for this process
+    (`devices.use_compile_cache`) is switched off here, unless a child measuring the
+    cache switched it on itself.
+    """
+    import jax
+
     from tunix_nb import data, distill, dpo, model, sft, train
     from tunix_nb.tokenizer import ByteTokenizer
 
+    if not os.environ.get("TUNIX_NB_BENCH_CACHE_CHILD"):
+        jax.config.update("jax_enable_compilation_cache", False)
     graphdef, params, opt, batch = _sft_setup()
     opt_state = opt.init(params)
     teacher_graphdef, teacher_params = model.split(model.make_model("teacher", seed=1))
@@ -925,7 +934,9 @@ def _compile_times_in_child(cache_dir) -> dict:
             "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
             "jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1); "
             "from tunix_nb import bench; print(json.dumps(bench.compile_times()))")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_PERSISTENT_CACHE")
+           and k != "JAX_COMPILATION_CACHE_DIR"}
+    env["TUNIX_NB_BENCH_CACHE_CHILD"] = "1"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     if out.returncode:
         raise RuntimeError(f"compile-time child failed: {out.stderr[-2000:]}")

@@ -673,9 +673,11 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, m
 
 
 def start_jax(args) -> None:
-    """Fix the device count and join the other processes: both before JAX starts."""
+    """Fix the device count, share compiled programs across runs (the persistent
+    compilation cache) and join the other processes: all before JAX starts."""
     if args.devices:
         devices.simulate_cpu_devices(args.devices)
+    devices.use_compile_cache()
     if args.distributed:  # jax.devices() then lists every process's devices
         distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                heartbeat_timeout_s=args.heartbeat_timeout)

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Overrides the device count a notebook's setup cell asks for, e.g. 1 to see the
@@ -121,6 +122,44 @@ def requested_cpu_devices(default: int) -> tuple[int, str]:
     return default, f"the notebook's default; set {DEVICES_ENV} to change it"
 
 
+COMPILE_CACHE_ENV = "TUNIX_NB_COMPILE_CACHE"
+
+
+def compile_cache_dir() -> Path | None:
+    """Where JAX's persistent compilation cache goes: $TUNIX_NB_COMPILE_CACHE, or
+    $XDG_CACHE_HOME/tunix_nb/jax (~/.cache/tunix_nb/jax); None if that variable is "off".
+    Outside the repository, so a clone never carries compiled programs."""
+    chosen = os.environ.get(COMPILE_CACHE_ENV, "")
+    if chosen.lower() in ("off", "0", "false", "none"):
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tunix_nb" / "jax"
+
+
+def use_compile_cache() -> Path | None:
+    """Turn on JAX's persistent compilation cache (`compile_cache_dir`): a program compiled
+    once is read back from disk by every later process, instead of compiled again.
+
+    Set through the environment before JAX starts, so child processes (nbval's kernels,
+    the training command run from a test) share it; JAX's own variables, if already set,
+    win. Every program is cached, whatever its compile time: the kit's compile in 0.1-2 s,
+    below JAX's default threshold of 1 s. Returns the folder (None: switched off).
+    """
+    cache = compile_cache_dir()
+    if cache is None:
+        return None
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    if "jax" in sys.modules:  # JAX read its config already: set it directly too
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
 def setup(n_cpu_devices: int = 8, *, simulate_on_accelerator: bool = False) -> int:
     """The notebooks' setup call: on CPU, simulate devices; on TPU/GPU, use them.
 
@@ -129,7 +168,10 @@ def setup(n_cpu_devices: int = 8, *, simulate_on_accelerator: bool = False) -> i
     count already in JAX_NUM_CPU_DEVICES or XLA_FLAGS, else `n_cpu_devices`.
     TUNIX_NB_DEVICES also forces CPU simulation where an accelerator is present, as does
     `simulate_on_accelerator=True` (Colab's single chip, for the multi-device parts).
+    It also turns on the persistent compilation cache (`use_compile_cache`), so a rerun
+    of a lesson reads its compiled steps back instead of compiling them again.
     """
+    use_compile_cache()
     n, source = requested_cpu_devices(n_cpu_devices)
     forced = simulate_on_accelerator or bool(os.environ.get(DEVICES_ENV))
     if not forced and accelerator_hint() is not None:

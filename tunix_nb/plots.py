@@ -379,17 +379,41 @@ def bench_figures(results: dict) -> dict:
                title=f"Data-parallel SFT step, same global batch (64)\n{where}")
         ax.legend()
         save(fig, "dp_overhead.png")
+    if "allreduce_share" in figures and figures["allreduce_share"].get("share_by_global_batch"):
+        a = figures["allreduce_share"]
+        curve = {int(b): v for b, v in a["share_by_global_batch"].items()}
+        sizes = sorted(curve)
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.errorbar(sizes, [100 * curve[b]["share"] for b in sizes],
+                    yerr=_iqr_bars([curve[b].get("share_spread") for b in sizes], scale=100),
+                    marker="o", capsize=3, label="all-reduce share (median, IQR)")
+        ax.axhline(100 * a["target"], color="red", linestyle="--", label="target")
+        ax.set(xscale="log", xlabel="global batch (sequences)", ylabel="% of the pmap step",
+               title=f"Gradient all-reduce on {a['devices']} devices\n{where}")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.legend()
+        save(fig, "allreduce_share.png")
     summary = [(n, f) for n, f in figures.items() if f.get("target") is not None]
     if summary:
         fig, ax = plt.subplots(figsize=(7, 0.45 * len(summary) + 1))
         names = [n for n, _ in summary]
         ratios = [f["value"] / f["target"] for _, f in summary]
         colors = ["tab:green" if f["meets_target"] else "tab:red" for _, f in summary]
-        ax.barh(names, ratios, color=colors)
+        ax.barh(names, ratios, color=colors,
+                xerr=_iqr_bars([f.get("spread") for _, f in summary], scale=[1 / f["target"] for _, f in summary]))
         ax.axvline(1.0, color="black", linestyle=":")
-        ax.set(xlabel="figure / its target (green: meets it)", title=f"Benchmark figures against targets\n{where}")
+        ax.set(xlabel="figure / its target (green: meets it; bars: interquartile range)",
+               title=f"Benchmark figures against targets\n{where}")
         save(fig, "targets.png")
     return out
+
+
+def _iqr_bars(spreads, scale=1.0):
+    """Error bars [[below], [above]] from the median to the quartiles (0 where none)."""
+    scales = scale if isinstance(scale, list) else [scale] * len(spreads)
+    below = [0.0 if s is None else k * (s["median"] - s["q25"]) for s, k in zip(spreads, scales)]
+    above = [0.0 if s is None else k * (s["q75"] - s["median"]) for s, k in zip(spreads, scales)]
+    return [below, above]
 
 
 def save_bench_plots(results: dict, out_dir) -> list:
