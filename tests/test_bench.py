@@ -62,7 +62,7 @@ def test_details_hold_the_measured_parts(quick_results):
     assert set(figs["lora_step_time_ratio"]["thin_matmul_profile"]) == {"dense", "r1", "r4", "r16"}
     remat = figs["remat_memory_ratio"]
     assert remat["temp_bytes"]["remat"] < remat["temp_bytes"]["plain"] and remat["update_max_abs_difference"] <= 1e-6
-    assert figs["train_step_mfu"]["fix"]["step_speedup"]["rounds"] == results["settings"]["repeats"]
+    assert figs["train_step_mfu"]["fix"] == {}  # the fix against the model before it: full runs only
 
 
 def test_timed_figures_carry_their_spread_and_quick_ones_say_they_are_not_comparable(quick_results):

@@ -342,8 +342,6 @@ def bench_mfu(repeats, quick=False):
     batch, seq_len = b["inputs"].shape
     opt_state = opt.init(params)
     step, forward, forward_backward = _step_programs(graphdef, params, opt, b)
-    with linears_on_token_grid():
-        step_before, _, forward_backward_before = _step_programs(graphdef, params, opt, b)
     grads = forward_backward(params)
     update = jax.jit(lambda g, s, p: opt.update(g, s, p))
     # the model's own largest matmul (tokens x d_model @ d_model x d_ff): how near the peak
@@ -351,31 +349,35 @@ def bench_mfu(repeats, quick=False):
     x_NxD = jax.random.normal(jax.random.key(1), (batch * seq_len, cfg.d_model))
     w_DxF = jax.random.normal(jax.random.key(2), (cfg.d_model, cfg.d_ff))
     model_matmul = jax.jit(lambda x, w: x @ w)
-    t = interleaved_times({
+    contenders = {
         "peak_matmul": lambda: matmul(a), "model_matmul": lambda: model_matmul(x_NxD, w_DxF),
-        "step": lambda: step(params, opt_state, b),
-        "step_before_fix": lambda: step_before(params, opt_state, b), "forward": lambda: forward(params),
+        "step": lambda: step(params, opt_state, b), "forward": lambda: forward(params),
         "forward_backward": lambda: forward_backward(params),
-        "forward_backward_before_fix": lambda: forward_backward_before(params),
-        "optimizer_update": lambda: update(grads, opt_state, params)}, repeats=repeats)
+        "optimizer_update": lambda: update(grads, opt_state, params)}
+    if not quick:  # the model before the backward-pass fix, in the same rounds
+        with linears_on_token_grid():
+            step_before, _, forward_backward_before = _step_programs(graphdef, params, opt, b)
+        contenders.update(step_before_fix=lambda: step_before(params, opt_state, b),
+                          forward_backward_before_fix=lambda: forward_backward_before(params))
+    t = interleaved_times(contenders, repeats=repeats)
     flops = model_flops_per_step(cfg, batch, seq_len)
     times = {k: np.asarray(v) for k, v in t.items()}
     mfu = spread(flops * times["peak_matmul"] / (2 * n**3 * times["step"]))
     backward = spread((times["forward_backward"] - times["forward"]) / times["forward"])
     med = medians(t)
     seconds, peak = med["step"], 2 * n**3 / med["peak_matmul"]
-    profile = {f"{k}_seconds": v for k, v in med.items() if k not in ("peak_matmul", "step")}
+    profile = {f"{k}_seconds": v for k, v in med.items() if k not in ("peak_matmul", "step", "model_matmul")}
     profile["matmul_flops_share_of_forward_time_at_peak"] = flops / 3 / peak / profile["forward_seconds"]
     profile["model_matmul_over_peak"] = spread(
         (2 * batch * seq_len * cfg.d_model * cfg.d_ff / times["model_matmul"]) / (2 * n**3 / times["peak_matmul"]))
-    profile.pop("model_matmul_seconds")
-    fix = {"step_speedup": spread_of_ratio(t, "step_before_fix", "step"),
-           "backward_over_forward_before": spread(
-               (times["forward_backward_before_fix"] - times["forward"]) / times["forward"]),
-           "mfu_before": spread(flops * times["peak_matmul"] / (2 * n**3 * times["step_before_fix"])),
-           "what": "every Linear applied to [B*L, D] tokens (model.per_token) instead of [B, L, D]"}
+    fix = {}
     if not quick:  # op by op: where the step's time goes, and where it went before the fix
-        fix["op_profile_before"] = op_profile(step_before, (params, opt_state, b))
+        fix = {"step_speedup": spread_of_ratio(t, "step_before_fix", "step"),
+               "backward_over_forward_before": spread(
+                   (times["forward_backward_before_fix"] - times["forward"]) / times["forward"]),
+               "mfu_before": spread(flops * times["peak_matmul"] / (2 * n**3 * times["step_before_fix"])),
+               "what": "every Linear applied to [B*L, D] tokens (model.per_token) instead of [B, L, D]",
+               "op_profile_before": op_profile(step_before, (params, opt_state, b))}
         profile["op_profile"] = op_profile(step, (params, opt_state, b))
     details = dict(step_seconds=seconds, model_flops_per_step=flops,
                    xla_flops_per_step=compiled_cost(step)["flops"],
@@ -416,7 +418,7 @@ def _placed_step(objective, opt, mode, state, batch, n_devices):
     return step, parallel.place_state(state, mesh, mode), parallel.place_batch(batch, mesh)
 
 
-def bench_dp(repeats, device_counts, quick=False, allreduce_batches=(64, 128, 256, 512)):
+def bench_dp(repeats, device_counts, quick=False, allreduce_batches=(64, 128, 256, 512, 1024)):
     """Each strategy's step on n devices over the single-device jit step (global batch 64,
     all timed in turns), and the all-reduce's share of the pmap step (with it against
     without it, in turns) over a range of global batches: the figure is at the largest,
@@ -541,14 +543,18 @@ def bench_ckpt(megabytes, repeats):
              for i in range(n_arrays)}
     nbytes = sum(x.nbytes for x in state.values())
     payload = np.random.default_rng(0).bytes(nbytes)
-    runs = {"disk": [], "sync": [], "async": []}
-    with tempfile.TemporaryDirectory(dir=".") as root:
+    runs = {"disk": [], "sync": [], "async": [], "memory": []}
+    # the same save into RAM (tmpfs), where no disk is involved: what the save costs the CPU
+    memory_root = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(dir=".") as root, tempfile.TemporaryDirectory(dir=memory_root) as in_memory:
         contenders = {"disk": lambda r: _write_and_fsync(Path(root) / f"disk{r}.bin", payload),
                       "sync": lambda r: _orbax_save(Path(root) / f"sync{r}", state, async_save=False, restore=True),
                       "async": lambda r: _orbax_save(Path(root) / f"async{r}", state, async_save=True)}
+        if memory_root is not None:
+            contenders["memory"] = lambda r: _orbax_save(Path(in_memory) / f"sync{r}", state, async_save=False)
         names = list(contenders)
         for r in range(-1, repeats):  # round -1 warms up
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 out = contenders[name](r)
                 if r >= 0:
                     runs[name].append(out)
@@ -561,6 +567,7 @@ def bench_ckpt(megabytes, repeats):
     return {**_timed_figure("ckpt_save_over_disk_bandwidth", spread(disk_s / sync_s),
                             state_bytes=nbytes, save_bytes_per_second=save_bw, disk_write_bytes_per_second=disk_bw,
                             bytes_on_disk=runs["sync"][0]["bytes_on_disk"], repeats=repeats,
+                            save_to_memory_seconds=med([x["total"] for x in runs["memory"]]) if runs["memory"] else None,
                             note="both timed until their bytes are on disk: the probe writes one file of the "
                                  "same size and fsyncs it; the sync Orbax save waits, then fsyncs every file "
                                  "and folder it wrote"),
