@@ -44,7 +44,7 @@ def uninterrupted(tmp_path_factory):
 
 def test_checkpoints_hold_only_the_adapters(uninterrupted):
     saved = checkpoint.load_params(uninterrupted / "run")
-    names = [checkpoint._path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)]
+    names = [model.param_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)]
     assert names and all(n.endswith(("kernel_lora_a", "kernel_lora_b")) for n in names)
     meta = checkpoint.load_meta(uninterrupted / "run")
     assert {k: meta["config"][k] for k in cli_module.LORA_FLAGS} == {

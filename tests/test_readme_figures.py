@@ -1,4 +1,4 @@
-"""Every figure the README quotes is the one its source stored: a notebook's output or results/bench.json.
+"""Every figure the README quotes is the one its source stored: a notebook's output or a record in results/.
 
 `FIGURES` is the registry: one entry per number the README prints, saying where in the
 README it stands and where it was measured. When the notebooks are re-executed or the
@@ -11,11 +11,12 @@ How an entry reads:
 - `readme`: the README text around the number, literally (line breaks and indentation
   count as one space), with `{}` where the figure stands, `{n}` for any other number and
   `{...}` for any text within a table cell. It must occur exactly once.
-- `source`: a notebook in notebooks/ or "bench.json". `where`, for a notebook, is a
+- `source`: a notebook in notebooks/, or a record in results/ ("bench.json",
+  "compile_cache.json"). `where`, for a notebook, is a
   regular expression over one code cell's stored output (text and text/plain), with
   `{}` for each number it reads and `{n}` for a number it skips, matching exactly one
   cell; or `WALL`, the cells' wall time from the execution timestamps the notebook
-  keeps. For bench.json, `where` is a key path ("figures.x.value"), or several.
+  keeps. For a record, `where` is a key path ("figures.x.value"), or several.
 - `combine` makes several numbers one ("max", "ratio" a/b, "difference" a-b), and
   `scale` converts the stored unit to the README's (1e3: seconds to ms, 100: to %).
 The README's value must equal the stored one rounded to as many decimals as the README
@@ -36,6 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCH = "bench.json"
+CACHE = "compile_cache.json"
 WALL = "cells' wall time"
 NUMBER = r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 
@@ -56,6 +58,11 @@ def nb(name, readme, notebook, where, **kw):
 
 def bench(name, readme, *keys, **kw):
     return Figure(name, readme, BENCH, keys, **kw)
+
+
+def cache_record(name, readme, *keys, **kw):
+    """A figure from results/compile_cache.json: the suite and the notebooks with and without the cache."""
+    return Figure(name, readme, CACHE, keys, **kw)
 
 
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
@@ -323,6 +330,18 @@ FIGURES = [
           scale=1e3),
     bench("predicted_from_profile", "`predicted_from_profile`, {}, is",
           F + "dpo_cached_ref_speedup.predicted_from_profile"),
+    cache_record("suite with the cache off", "{} s with the cache switched", "runs.cache_off.suite_seconds"),
+    cache_record("suite with an empty cache", "off, {} s with an empty cache", "runs.cold.suite_seconds"),
+    cache_record("empty cache over off", "as in CI ({}: the two workers", "cold_over_off"),
+    cache_record("suite with a warm cache", "and {} s with the cache that run filled", "runs.warm.suite_seconds"),
+    cache_record("warm cache over off", "that run filled ({});", "warm_over_off"),
+    cache_record("notebooks with the cache off", "the notebooks' cells took {} s,", "runs.cache_off.notebooks_total_seconds"),
+    cache_record("notebooks with an empty cache", "cells took {n} s, {} s and", "runs.cold.notebooks_total_seconds"),
+    cache_record("notebooks with a warm cache", "s and {} s. The cache", "runs.warm.notebooks_total_seconds"),
+    cache_record("cache entries", "then held {} programs", "cache_after_cold_run.entries"),
+    cache_record("cache size", "programs in {} MB", "cache_after_cold_run.megabytes"),
+    bench("lesson 03 step warm over cold", "compiles lesson 03's step in {} of the cold time",
+          F + "compile_share.persistent_cache.warm_over_cold.03 sft step"),
     bench("remat time in prose", "block) costs {}x the step time", F + "remat_step_time_ratio.value"),
     bench("remat memory in prose", "and keeps {} of XLA's", F + "remat_memory_ratio.value"),
     bench("remat memory, memory-minimising schedule", "the same program keeps {} of",
@@ -395,15 +414,15 @@ def stored(fig: Figure) -> tuple[float, str]:
     if fig.where == WALL:
         seconds, where = wall_seconds(fig.source)
         return seconds * fig.scale, where
-    if fig.source == BENCH:
-        results = json.loads((ROOT / "results" / "bench.json").read_text())
+    if fig.source.endswith(".json"):  # bench.json or another record in results/
+        results = json.loads((ROOT / "results" / fig.source).read_text())
         values = []
         for path in fig.where:
             value = results
             for key in path.split("."):
                 value = value[key]
             values.append(float(value))
-        where = "results/bench.json: " + " and ".join(fig.where)
+        where = f"results/{fig.source}: " + " and ".join(fig.where)
     else:
         pattern = re.compile(fig.where.replace("{}", f"({NUMBER})").replace("{n}", NUMBER))
         cells = notebook(fig.source)["cells"]

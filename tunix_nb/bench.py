@@ -297,12 +297,13 @@ def op_profile(compiled, args, *, calls: int = 5, top: int = 8) -> dict:
             "top_ops": [described(n, t) for n, t in seconds.most_common(top)]}
 
 
-def _mfu_setup(quick):
+def _mfu_setup(batch: int, seq_len: int):
+    """(cfg, graphdef, params, batch, optimizer): the benchmark's model (d_model 256, 4
+    layers, d_ff 768) and one SFT batch of random tokens."""
     import numpy as np
 
     from tunix_nb import model, train
 
-    batch, seq_len = (4, 64) if quick else (8, 128)
     cfg = model.get_config("student", d_model=256, n_layers=4, n_heads=4, d_ff=768)
     graphdef, params = model.split(model.make_model(cfg, seed=0))
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
@@ -338,7 +339,7 @@ def bench_mfu(repeats, quick=False):
     n = 512 if quick else 2048
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
-    cfg, graphdef, params, b, opt = _mfu_setup(quick)
+    cfg, graphdef, params, b, opt = _mfu_setup(*((4, 64) if quick else (8, 128)))
     batch, seq_len = b["inputs"].shape
     opt_state = opt.init(params)
     step, forward, forward_backward = _step_programs(graphdef, params, opt, b)
@@ -734,8 +735,9 @@ def _thin_matmul_profile(rows, graphdef, params, repeats, ranks=(1, 4, 16)) -> d
     """The adapter path (x A) B of one d x d projection against the dense x W it adds to:
     time and FLOPs of each relative to the dense matmul, timed in turns."""
     import jax
+    from flax import nnx
 
-    d = nnx_d_model(graphdef, params)
+    d = nnx.merge(graphdef, params).cfg.d_model
     x = jax.random.normal(jax.random.key(0), (rows, d))
     w = jax.random.normal(jax.random.key(1), (d, d))
     fns = {"dense": jax.jit(lambda x: x @ w)}
@@ -746,12 +748,6 @@ def _thin_matmul_profile(rows, graphdef, params, repeats, ranks=(1, 4, 16)) -> d
     return {k: {"time_over_dense": seconds[k] / seconds["dense"],
                 "flops_over_dense": 1.0 if k == "dense" else 2 * int(k[1:]) / d, "seconds": seconds[k]}
             for k in fns}
-
-
-def nnx_d_model(graphdef, params) -> int:
-    from flax import nnx
-
-    return nnx.merge(graphdef, params).cfg.d_model
 
 
 def bench_lora(repeats, steps=300, n_eval=200, batch_size=64):
@@ -819,16 +815,9 @@ MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 def remat_programs(batch: int, seq_len: int) -> dict:
     """{"plain", "remat": (compiled SFT step, its args)} for the MFU model at this size."""
-    import numpy as np
-
     from tunix_nb import model, sft, train
 
-    cfg = model.get_config("student", d_model=256, n_layers=4, n_heads=4, d_ff=768)
-    graphdef, params = model.split(model.make_model(cfg, seed=0))
-    tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
-    b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
-         "attention_mask": np.ones((batch, seq_len), np.int32)}
-    opt = train.make_optimizer(train.OptimizerConfig(total_steps=100))
+    _, graphdef, params, b, opt = _mfu_setup(batch, seq_len)
     args = (params, opt.init(params), b)
     out = {}
     for name, g in (("plain", graphdef), ("remat", model.with_remat(graphdef, params))):

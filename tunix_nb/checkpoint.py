@@ -92,19 +92,6 @@ def _pure(params):
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
-def _path_name(path) -> str:
-    """'blocks/0/attn/k/kernel': the same for int and str dict keys, attributes and indices."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
 def checksum(tree) -> str:
     """CRC32 over every leaf's path, dtype, shape and bytes, in path order (8 hex digits).
 
@@ -113,7 +100,7 @@ def checksum(tree) -> str:
     when the numbers are equal.
     """
     # to_host all-gathers arrays split across processes: every process gets the same value
-    leaves = sorted((_path_name(p), parallel.to_host(x)) for p, x in jax.tree_util.tree_leaves_with_path(_pure(tree)))
+    leaves = sorted((model.param_name(p), parallel.to_host(x)) for p, x in jax.tree_util.tree_leaves_with_path(_pure(tree)))
     crc = 0
     for name, a in leaves:
         crc = zlib.crc32(f"{name}:{a.dtype.str}:{a.shape};".encode(), crc)
@@ -478,8 +465,8 @@ def load_model(ckpt_dir, step: int | None = None):
 
 
 def _check_fits(params_like, pure, what: str) -> None:
-    want = {_path_name(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(_pure(params_like))}
-    got = {_path_name(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(pure)}
+    want = {model.param_name(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(_pure(params_like))}
+    got = {model.param_name(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(pure)}
     if want != got:
         differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
         shown = "; ".join(f"{k}: saved {got.get(k)}, preset {want.get(k)}" for k in differ[:3])

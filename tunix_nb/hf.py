@@ -82,9 +82,8 @@ def is_transposed(kit_name: str) -> bool:
 
 
 def kit_name(path) -> str:
-    """The '/'-joined name of an nnx.State leaf's path, without the Variable's `.value`."""
-    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-    return "/".join(parts[:-1] if parts[-1] == "value" else parts)
+    """The kit's name of a parameter's path, 'blocks/0/attn/q/kernel' (`model.param_name`)."""
+    return model.param_name(path)
 
 
 def kit_names(abstract_params) -> list[str]:

@@ -350,6 +350,14 @@ def with_remat(graphdef, params, remat: bool = True):
     return nnx.split(module)[0]
 
 
+def param_name(path) -> str:
+    """'blocks/0/attn/k/kernel': the '/'-joined name of a parameter's path in a pytree, the
+    same for int and str dict keys, attributes and indices, and without the trailing
+    `.value` of an nnx.State leaf (what Orbax's checkpoints and `tunix_nb.hf` name)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
 def count_params(params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
