@@ -343,7 +343,7 @@ FIGURES = [
     cache_record("cache size", "programs in {} MB", "cache_after_cold_run.megabytes"),
     cache_record("the test command's time", "The test command took {} s", "runs.cold_third.suite_seconds"),
     cache_record("the test command's tests", "s ({} tests, on two pytest-xdist", "runs.cold_third.tests.passed"),
-    cache_record("the same code before", "the same code took {} s and", "runs.cold.suite_seconds"),
+    cache_record("the same code before", "but for small changes, took {} s and", "runs.cold.suite_seconds"),
     cache_record("the same code before, again", "s and {} s in two runs before it", "runs.cold_again.suite_seconds"),
     cache_record("the test command warm", "and {} s when a run before it had", "runs.warm.suite_seconds"),
     cache_record("a third empty-cache run", "in another, and {} s in a third", "runs.cold_third.suite_seconds"),
