@@ -103,10 +103,7 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 2, min_seconds: 
 
 def interleaved_medians(fns: dict, *, repeats: int, warmup: int = 2, min_seconds: float = 0.01) -> dict:
     """{name: median seconds per call} of each fn(), timed in rounds (`interleaved_times`)."""
-    import numpy as np
-
-    times = interleaved_times(fns, repeats=repeats, warmup=warmup, min_seconds=min_seconds)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return medians(interleaved_times(fns, repeats=repeats, warmup=warmup, min_seconds=min_seconds))
 
 
 def spread(values) -> dict:
@@ -126,6 +123,7 @@ def spread_of_ratio(times: dict, numerator: str, denominator: str) -> dict:
 
 
 def medians(times: dict) -> dict:
+    """{name: median} of `interleaved_times`' rounds."""
     import numpy as np
 
     return {name: float(np.median(t)) for name, t in times.items()}
