@@ -76,7 +76,7 @@ def test_help_documents_every_flag(cli):
      "--batch-size 12 does not divide by the 8 devices"),
     ([*TINY, "--stop-after", "9"], "--stop-after 9 is beyond --steps 4"),
     ([*TINY, "--stop-after", "2"], "--stop-after needs --ckpt-dir"),
-    ([*TINY, "--beta", "0.1"], "--beta applies only to dpo and grpo, not sft"),
+    ([*TINY, "--beta", "0.1"], "--beta applies only to dpo, grpo and distill, not sft"),
     ([*TINY, "--length-normalize"], "--length-normalize applies only to dpo, not sft"),
     (["dpo", "--beta", "0"], "argument --beta: 0.0 must be greater than 0"),
     (["dpo", "--loss-type", "kto"], "argument --loss-type: invalid choice: 'kto'"),

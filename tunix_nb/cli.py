@@ -8,8 +8,10 @@ from the flags given.
 
 Resuming, in detail:
 - Batches are a pure function of (--seed, step), and no step draws random numbers, so
-  the step is the whole data/RNG state. GRPO's rollouts do sample, with keys that are
-  a pure function of (--seed, step, row) (`grpo.rollout_keys`), so the same holds. Each
+  the step is the whole data/RNG state. GRPO's rollouts and on-policy distillation's
+  batches (distill --lmbda) do sample, with keys that are a pure function of (--seed,
+  step, row) (`grpo.rollout_keys`; `gkd.batch_source` for which steps sample), so the
+  same holds. Each
   checkpoint also holds the run key folded with its step (item `rng`), which the
   resumed run checks against its own.
 - A save killed midway leaves `<step>.orbax-checkpoint-tmp`, which is not a checkpoint;
@@ -64,7 +66,7 @@ RUN_DEFINING = ("command", "model", "teacher", "init_from", "beta", "loss_type",
                 "length_normalize", "steps", "batch_size", "seed", "learning_rate", "warmup_steps",
                 "compute_dtype", "group_size", "epsilon", "epsilon_high", "advantage", "aggregation",
                 "kl_estimator", "num_iterations", "temperature", "max_new_tokens", "rewards",
-                "lora_rank", "lora_alpha", "lora_targets", "quantize", "grad_accum")
+                "lora_rank", "lora_alpha", "lora_targets", "quantize", "grad_accum", "lmbda", "seq_kd")
 # as tunix_nb.lora.QUANTIZE and DEFAULT_TARGETS, without importing JAX
 QUANTIZE_CHOICES = ("none", "nf4", "int8")
 LORA_DEFAULT_TARGETS = r".*(attn/(q|k|v|out)|mlp/(gate|up|down))"
@@ -73,6 +75,9 @@ DEFAULT_LEARNING_RATE = {"sft": 3e-3, "distill": 3e-3, "dpo": 1e-3, "grpo": 3e-4
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "quantize")
 GRPO_FLAGS = ("group_size", "epsilon", "epsilon_high", "advantage", "aggregation", "kl_estimator",
               "num_iterations", "temperature", "max_new_tokens", "rewards")
+# the sampling flags both on-policy methods share
+SAMPLING_FLAGS = ("temperature", "max_new_tokens")
+GKD_FLAGS = ("lmbda", "seq_kd")
 
 
 def _positive_int(text: str) -> int:
@@ -130,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--teacher", help="distill: the teacher's checkpoint directory "
                         "(default: the teacher shipped in data/teacher)")
     parser.add_argument("--init-from", help="dpo, grpo: the SFT checkpoint the policy and the frozen reference "
-                        "start from (default: the SFT student shipped in data/sft_student)")
+                        "start from (default: the SFT student shipped in data/sft_student); distill: the "
+                        "checkpoint the student starts from (default: a fresh model)")
     parser.add_argument("--beta", type=_non_negative_float,
                         help="dpo: strength of the pull towards the reference, > 0 (default: 0.1); grpo: "
-                             "weight of the KL penalty to the reference, 0 for none (default: 0.04)")
+                             "weight of the KL penalty to the reference, 0 for none (default: 0.04); distill: "
+                             "the divergence, 0 forward KL, 1 reverse KL, between the generalized JSD (default: 0)")
     parser.add_argument("--loss-type", choices=DPO_LOSS_TYPES,
                         help="dpo: sigmoid (DPO), ipo or hinge (SLiC) (default: sigmoid)")
     parser.add_argument("--sft-weight", type=_non_negative_float,
@@ -160,12 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--num-iterations", type=_positive_int,
                       help="updates per rollout batch, Tunix's num_iterations (mu) (default: 1)")
     grpo.add_argument("--temperature", type=_positive_float,
-                      help=f"sampling temperature, > 0 (default: {GRPO_DEFAULTS['temperature']})")
+                      help=f"sampling temperature, > 0 (default: {GRPO_DEFAULTS['temperature']}; also distill "
+                           "with --lmbda)")
     grpo.add_argument("--max-new-tokens", type=_positive_int,
-                      help=f"tokens sampled per completion (default: {GRPO_DEFAULTS['max_new_tokens']})")
+                      help=f"tokens sampled per completion (default: {GRPO_DEFAULTS['max_new_tokens']}; also "
+                           "distill with --lmbda or --seq-kd)")
     grpo.add_argument("--rewards",
                       help=f"comma-separated reward functions, summed: {', '.join(REWARD_NAMES)} "
                            f"(default: {GRPO_DEFAULTS['rewards']})")
+    gkd = parser.add_argument_group(
+        "on-policy distillation (distill; GKD, as TRL's GKDTrainer)", "batches whose completions the student "
+        "samples itself (--temperature, --max-new-tokens), scored by the teacher with --beta's divergence")
+    gkd.add_argument("--lmbda", type=_non_negative_float,
+                     help="share of steps whose batch the student samples, in [0, 1] (default: 0, offline)")
+    gkd.add_argument("--seq-kd", action="store_true", default=None,
+                     help="the other steps train on the teacher's greedy answers instead of the dataset's")
     peft = parser.add_argument_group(
         "LoRA / QLoRA (sft, dpo, grpo): train low-rank adapters on a frozen base; checkpoints hold the "
         "adapters and their optimizer state, --export-params the merged model")
@@ -229,17 +245,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_flags(parser, args) -> None:
     """Flag combinations argparse cannot check on its own; fills in per-command defaults."""
-    only = {"teacher": ("distill",), "init_from": ("dpo", "grpo"), "beta": ("dpo", "grpo"),
+    only = {"teacher": ("distill",), "init_from": ("dpo", "grpo", "distill"), "beta": ("dpo", "grpo", "distill"),
             "loss_type": ("dpo",), "sft_weight": ("dpo",), "length_normalize": ("dpo",),
-            **{name: ("grpo",) for name in GRPO_FLAGS}}
+            **{name: ("grpo",) for name in GRPO_FLAGS}, **{name: ("grpo", "distill") for name in SAMPLING_FLAGS},
+            **{name: ("distill",) for name in GKD_FLAGS}}
     for name, commands in only.items():
         if getattr(args, name) is not None and args.command not in commands:
-            parser.error(f"--{name.replace('_', '-')} applies only to {' and '.join(commands)}, not {args.command}")
+            listed = " and ".join(filter(None, [", ".join(commands[:-1]), commands[-1]]))
+            parser.error(f"--{name.replace('_', '-')} applies only to {listed}, not {args.command}")
     _check_lora_flags(parser, args)
     if args.command == "dpo" and args.beta is not None and not args.beta > 0:
         parser.error(f"argument --beta: {args.beta} must be greater than 0")
     if args.command == "grpo":
         _check_grpo_flags(parser, args)
+    if args.command == "distill":
+        _check_distill_flags(parser, args)
     if args.command == "dpo":
         args.beta = 0.1 if args.beta is None else args.beta
         args.loss_type = args.loss_type or "sigmoid"
@@ -268,6 +288,9 @@ def _check_flags(parser, args) -> None:
     if args.distributed and args.command == "grpo":
         parser.error("grpo runs in one process (its rewards are computed on one host); drop --distributed "
                      "and the process flags, and use --devices with any --parallel")
+    if args.distributed and args.command == "distill" and (args.lmbda or args.seq_kd):
+        parser.error("on-policy distillation (--lmbda, --seq-kd) runs in one process (its batches are sampled "
+                     "on one host); drop --distributed and the process flags, and use --devices with any --parallel")
     if args.distributed and args.parallel not in MESH_CHOICES:
         parser.error(f"--parallel {args.parallel} runs within one process; with several processes use "
                      f"one of {', '.join(MESH_CHOICES)}")
@@ -293,6 +316,28 @@ def _check_lora_flags(parser, args) -> None:
     except re.error as err:
         parser.error(f"--lora-targets {args.lora_targets!r} is not a regular expression ({err})")
     args.quantize = args.quantize or "none"
+
+
+def _check_distill_flags(parser, args) -> None:
+    """GKD's flags: in range, and the sampling ones only where something is sampled. Offline
+    distillation (lmbda 0, beta 0, no seq_kd) leaves them all None: today's run, as before."""
+    if args.lmbda is not None and args.lmbda > 1:
+        parser.error(f"argument --lmbda: {args.lmbda} is a share of steps, in [0, 1]")
+    if args.beta is not None and args.beta > 1:
+        parser.error(f"argument --beta: {args.beta} must be in [0, 1] for distill (0 forward KL, 1 reverse KL)")
+    lmbda, seq_kd, beta = args.lmbda or 0.0, bool(args.seq_kd), args.beta or 0.0
+    if args.temperature is not None and lmbda == 0:
+        parser.error("--temperature samples the student's batches: it needs --lmbda > 0")
+    if args.max_new_tokens is not None and lmbda == 0 and not seq_kd:
+        parser.error("--max-new-tokens needs --lmbda > 0 or --seq-kd: offline distillation samples nothing")
+    if lmbda == 0 and not seq_kd and beta == 0:
+        args.lmbda = args.seq_kd = args.beta = None  # offline distillation, described as before
+        return
+    args.lmbda, args.seq_kd, args.beta = float(lmbda), seq_kd, float(beta)
+    if lmbda > 0 or seq_kd:
+        args.max_new_tokens = args.max_new_tokens or GRPO_DEFAULTS["max_new_tokens"]
+    if lmbda > 0:
+        args.temperature = args.temperature or GRPO_DEFAULTS["temperature"]
 
 
 def _check_grpo_flags(parser, args) -> None:
@@ -351,6 +396,9 @@ class RunConfig:
     temperature: float | None = None
     max_new_tokens: int | None = None
     rewards: str | None = None
+    # distill's on-policy batches (GKD; None: offline distillation)
+    lmbda: float | None = None
+    seq_kd: bool | None = None
     # LoRA / QLoRA (None: every parameter trains)
     lora_rank: int | None = None
     lora_alpha: float | None = None
@@ -391,7 +439,7 @@ def resolve_config(args) -> RunConfig:
     preset = args.model
     if args.command == "distill":
         teacher = args.teacher or str(data.DATA_DIR / "teacher")
-    if args.command in ("dpo", "grpo"):
+    if args.command in ("dpo", "grpo") or args.init_from:
         init_from = args.init_from or str(data.DATA_DIR / "sft_student")
         try:
             init_model = checkpoint.model_preset(checkpoint.load_meta(init_from), "The --init-from checkpoint")
@@ -413,6 +461,8 @@ def resolve_config(args) -> RunConfig:
                      seed=args.seed, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
                      compute_dtype=compute_dtype, grad_accum=args.grad_accum, remat=args.remat,
                      **{name: getattr(args, name) for name in GRPO_FLAGS if args.command == "grpo"},
+                     **{name: getattr(args, name) for name in SAMPLING_FLAGS + GKD_FLAGS
+                        if args.command == "distill"},
                      **{name: getattr(args, name) for name in LORA_FLAGS})
 
 
@@ -500,13 +550,13 @@ def trainable(config: RunConfig, graphdef, params) -> Trainable:
 
 def build_method(config: RunConfig) -> Method:
     """The model, data rows, objective and frozen parameters of `config.command`."""
-    from tunix_nb import checkpoint, data, distill, dpo, grpo, lora, model, precision, rewards, sft
+    from tunix_nb import checkpoint, data, distill, dpo, gkd, grpo, lora, model, precision, rewards, sft
     from tunix_nb.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()
     graphdef, params = model.split(model.make_model(config.model, seed=config.seed, remat=config.remat))
     dtype = precision.resolve_compute_dtype(config.compute_dtype)
-    if config.init_from:  # dpo, grpo: the policy and the reference start from the SFT checkpoint
+    if config.init_from:  # dpo, grpo: the policy and the reference start from the SFT checkpoint (distill: if given)
         params = checkpoint.params_into(params, checkpoint.load_params(config.init_from))
     t = trainable(config, graphdef, params)
     if config.command == "dpo":
@@ -542,8 +592,18 @@ def build_method(config: RunConfig) -> Method:
         return Method(t.graphdef, t.params, rows, t.objective(sft.objective(t.graphdef, compute_dtype=dtype)),
                       frozen=t.frozen(), exportable=t.exportable)
     teacher_graphdef, teacher_params = distill.load_teacher(config.teacher)
-    return Method(graphdef, params, rows, distill.objective(graphdef, teacher_graphdef, compute_dtype=dtype),
-                  frozen=teacher_params)
+    objective = distill.objective(graphdef, teacher_graphdef, beta=config.beta or 0.0, compute_dtype=dtype)
+    if not (config.lmbda or config.seq_kd):  # offline: the dataset's answers
+        return Method(graphdef, params, rows, objective, frozen=teacher_params)
+
+    def make_batches(parallel_mode, mesh):  # GKD: the student's samples, the teacher's answers
+        return gkd.make_batches(graphdef, teacher_graphdef, data.load_sft(),
+                                batch_size=config.batch_size, seed=config.seed, lmbda=config.lmbda,
+                                seq_kd=config.seq_kd, temperature=config.temperature or 1.0,
+                                max_new_tokens=config.max_new_tokens, compute_dtype=dtype,
+                                parallel_mode=parallel_mode, mesh=mesh, tokenizer=tokenizer)
+
+    return Method(graphdef, params, rows, objective, frozen=teacher_params, make_rollout=make_batches)
 
 
 def resume(manager, args, params, opt_state, run_key, mesh):
@@ -659,7 +719,7 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, m
             params, opt_state, _ = train.run(step_fn, params, opt_state, batch_fn, frozen=method.frozen, **common)
         else:  # on-policy: each step samples its batch with the current params
             params, opt_state, _ = train.run_on_policy(step_fn, params, opt_state, rollout_fn,
-                                                       num_iterations=config.num_iterations,
+                                                       num_iterations=config.num_iterations or 1,
                                                        reference=method.reference, frozen=method.frozen, **common)
         step += chunk
         if manager is not None:

@@ -25,26 +25,35 @@ def load_teacher(ckpt_dir=TEACHER_DIR):
     return graphdef, params
 
 
-def objective(student_graphdef, teacher_graphdef, *, temperature=2.0, alpha=0.5, compute_dtype="auto"):
+def objective(student_graphdef, teacher_graphdef, *, temperature=2.0, alpha=0.5, beta=0.0,
+              compute_dtype="auto"):
     """(student params, batch, teacher params) -> (sum of per-example losses, B, metrics).
 
     The teacher runs in the same step, frozen: no gradient flows into it. With
     `alpha=0` (hard labels only, through the same per-example reduction) it is skipped.
+    `beta` picks the divergence of the soft term (`losses.generalized_jsd_per_example`:
+    0 forward KL, today's default; 1 reverse KL). A batch may carry `own_sample` [B]
+    (GKD's on-policy rows, `tunix_nb.gkd`): 1 where the student sampled the completion
+    itself. Its own tokens are no right answer, so such rows train on the divergence
+    alone (alpha 1, as TRL's GKDTrainer does on every row).
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
 
     def distill_objective(params, batch, teacher_params):
         student_logits_BxLxV = model_lib.apply(student_graphdef, cast_floats(params, compute_dtype),
                                                batch["inputs"], batch["attention_mask"])
-        if alpha == 0.0:  # hard labels only: the soft term has weight 0, skip the teacher
+        if alpha == 0.0 and "own_sample" not in batch:  # hard labels only: no soft term, skip the teacher
             teacher_logits_BxLxV = lax.stop_gradient(student_logits_BxLxV)
         else:
             teacher_logits_BxLxV = lax.stop_gradient(model_lib.apply(
                 teacher_graphdef, cast_floats(teacher_params, compute_dtype), batch["inputs"],
                 batch["attention_mask"]))
+        alpha_B = None
+        if "own_sample" in batch:  # GKD: the divergence alone on the student's own samples
+            alpha_B = jnp.where(batch["own_sample"] > 0, 1.0, alpha)
         mean_loss, metrics = losses.distillation_loss(
             student_logits_BxLxV, teacher_logits_BxLxV, batch["targets"], batch["loss_mask"],
-            temperature=temperature, alpha=alpha)
+            temperature=temperature, alpha=alpha, beta=beta, alpha_B=alpha_B)
         n = batch["inputs"].shape[0]
         return mean_loss * n, jnp.float32(n), metrics
 

@@ -94,13 +94,18 @@ def _check_distill_shapes(student_logits, teacher_logits, targets, mask, *, batc
 # ----------------------------------------------------------------------- distillation
 
 
-def _soft_and_hard_per_example(student_logits, teacher_logits, targets, mask, temperature):
-    """(soft, hard) for one example: T^2 * KL(teacher_T || student_T) and the T=1 CE."""
+def _soft_and_hard_per_example(student_logits, teacher_logits, targets, mask, temperature, beta=0.0):
+    """(soft, hard) for one example: T^2 * KL(teacher_T || student_T) (with beta > 0, the
+    generalized JSD of `generalized_jsd_per_example` instead) and the T=1 CE."""
     _check_distill_shapes(student_logits, teacher_logits, targets, mask, batched=False)
     _check_positive("temperature", temperature)
-    kl_L = _kl(_log_probs(teacher_logits, temperature), _log_probs(student_logits, temperature))
-    # T^2 keeps the soft gradients' scale independent of T (Hinton et al. 2015).
-    soft = temperature**2 * _masked_mean(kl_L, mask)
+    if beta == 0.0:
+        kl_L = _kl(_log_probs(teacher_logits, temperature), _log_probs(student_logits, temperature))
+        # T^2 keeps the soft gradients' scale independent of T (Hinton et al. 2015).
+        soft = temperature**2 * _masked_mean(kl_L, mask)
+    else:
+        soft = generalized_jsd_per_example(student_logits, teacher_logits, targets, mask, beta=beta,
+                                           temperature=temperature)
     hard = _masked_mean(-token_log_probs(student_logits, targets), mask)
     return soft, hard
 
@@ -124,7 +129,7 @@ def kl_distillation_per_example(
 
 
 def distillation_loss(
-    student_logits, teacher_logits, targets, mask, *, temperature=2.0, alpha=0.5
+    student_logits, teacher_logits, targets, mask, *, temperature=2.0, alpha=0.5, beta=0.0, alpha_B=None
 ):
     """`kl_distillation_per_example` vmapped over a batch, averaged over examples.
 
@@ -132,14 +137,23 @@ def distillation_loss(
     Each example is a token mean over its own mask, then examples are averaged, so
     an example with an all-zero mask adds 0 to the sum (but still counts in B).
 
+    `beta` > 0 makes the soft term the generalized JSD (`generalized_jsd_per_example`;
+    0 is the forward KL, 1 the reverse KL). `alpha_B` [B], when given, replaces `alpha`
+    row by row (GKD: 1 on rows the student sampled itself, where no target is right).
+
     Returns (loss, metrics) with metrics {"distill/soft_loss", "distill/hard_loss"}:
     the batch means of the two terms before alpha weighting.
     """
     _check_distill_shapes(student_logits, teacher_logits, targets, mask, batched=True)
+    if not isinstance(beta, numbers.Real) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be a Python float in [0, 1] (0: forward KL, 1: reverse KL), got {beta!r}")
     soft_B, hard_B = jax.vmap(
-        lambda s, t, y, m: _soft_and_hard_per_example(s, t, y, m, temperature)
+        lambda s, t, y, m: _soft_and_hard_per_example(s, t, y, m, temperature, beta)
     )(student_logits, teacher_logits, targets, mask)
-    loss = jnp.mean(alpha * soft_B + (1 - alpha) * hard_B)
+    if alpha_B is None:
+        loss = jnp.mean(alpha * soft_B + (1 - alpha) * hard_B)
+    else:
+        loss = jnp.mean(alpha_B * soft_B + (1 - alpha_B) * hard_B)
     return loss, {"distill/soft_loss": jnp.mean(soft_B), "distill/hard_loss": jnp.mean(hard_B)}
 
 
