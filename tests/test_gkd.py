@@ -4,16 +4,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, data, distill, gkd, grpo, losses, model, train
+from tunix_nb import checkpoint, data, distill, evaluate, gkd, grpo, losses, model, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 EXAMPLES = 64
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +237,47 @@ def test_bad_gkd_flags_get_clear_errors(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(args)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ exposure bias, and the lesson's record
+
+
+def test_errors_by_position_against_a_row_by_row_count(models):
+    graphdef, student, _, _ = models
+    examples = data.load_sft(data.DATA_DIR / "sft_eval.jsonl")[:40]
+    got = evaluate.errors_by_position(graphdef, student, examples)
+    tok = ByteTokenizer()
+    answers = evaluate.generate_answers(graphdef, student, [e["prompt"] for e in examples])
+    L = max(len(e["completion"]) + 1 for e in examples)
+    forced, free, rows = np.zeros(L), np.zeros(L), np.zeros(L)
+    for e, own in zip(examples, answers):
+        gold = tok.encode(e["completion"]) + [tok.eos_id]
+        mine = tok.encode(own) + [tok.eos_id]  # the greedy answer, cut at eos, as tokens
+        prefix = [tok.bos_id, *tok.encode(e["prompt"])]
+        for k, token in enumerate(gold):  # teacher-forced: the right first k tokens, then argmax
+            n = len(prefix) + k
+            ids = np.array([prefix + gold[:k] + [0] * (data.DEFAULT_SEQ_LEN - n)])  # one shape: one compile
+            logits = model.apply(graphdef, student, ids, (np.arange(data.DEFAULT_SEQ_LEN) < n)[None].astype(np.int32))
+            forced[k] += int(np.argmax(logits[0, n - 1])) != token
+            free[k] += k >= len(mine) or mine[k] != token
+            rows[k] += 1
+    assert got["rows"].tolist() == rows.tolist()
+    np.testing.assert_allclose(got["teacher_forced"], forced / rows, atol=1e-6)
+    np.testing.assert_allclose(got["free_running"], free / rows, atol=1e-6)
+    assert (got["free_running"] >= got["teacher_forced"])[0] and got["teacher_forced"][0] == got["free_running"][0]
+
+
+def test_the_results_record_is_the_lessons_stored_table():
+    """results/gkd.json (which the README quotes) holds the numbers notebook 11 printed."""
+    record = json.loads((ROOT / "results" / "gkd.json").read_text())
+    nb = json.loads((ROOT / "notebooks" / "11_on_policy_distillation.ipynb").read_text())
+    text = next("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
+                for o in c["outputs"] if "".join(o.get("text", "")).startswith("1000 test prompts"))
+    assert list(record["methods"]) == [line[:24].strip() for line in text.splitlines()[1:]]
+    for line in text.splitlines()[1:]:
+        row = record["methods"][line[:24].strip()]
+        numbers = line[24:].replace("%", "").split()
+        stored = ([100 * row["exact_match"][k] for k in ("all", *data.TASKS)]
+                  + [row["eval_loss"][k] for k in ("all", *data.TASKS)] + [100 * row["exposure_bias_share"]])
+        decimals = [1] * 5 + [3] * 5 + [0]
+        assert [float(n) for n in numbers] == [round(v, d) for v, d in zip(stored, decimals)], line

@@ -13,10 +13,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tunix_nb import checkpoint, data, hf, losses, model
 from tunix_nb.tokenizer import ByteTokenizer
-from solutions import lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09, lesson10
+from solutions import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09,
+                       lesson10, lesson11)
 
 N = 8  # conftest.py simulates 8 CPU devices
 
@@ -371,3 +373,29 @@ def test_lesson10_ex3_int8_costs_little_and_nf4_costs_more():
     assert 0 < out["int8"]["kernel_rel_error"] < 0.01 < out["nf4"]["kernel_rel_error"] < 0.15
     assert abs(out["int8"]["eval_loss"] - out["none"]["eval_loss"]) < 0.005
     assert out["nf4"]["eval_loss"] > out["none"]["eval_loss"] + 0.02
+
+
+# ------------------------------------------------------------------ 11 on-policy distillation
+
+
+def test_lesson11_ex1_the_generalized_jsd_vanishes_near_its_endpoints():
+    out = lesson11.jsd_near_its_endpoints()
+    jsd = out["jsd"]
+    assert jsd[0.0] == pytest.approx(out["forward_kl"], rel=1e-6) and jsd[1.0] == pytest.approx(out["reverse_kl"], rel=1e-6)
+    assert jsd[1e-3] < 0.01 * jsd[0.0] and jsd[1 - 1e-3] < 0.01 * jsd[1.0]
+    assert jsd[1e-3] == pytest.approx(out["first_order"][1e-3], rel=0.02)  # about beta * KL(p_t || p_s)
+    assert 0 < jsd[0.5] < min(jsd[0.0], jsd[1.0])
+
+
+def test_lesson11_ex2_swap_has_the_most_errors_from_its_own_prefix_and_add_the_fewest():
+    out = lesson11.exposure_bias_by_task(n_prompts=400)
+    assert set(out) == set(data.TASKS)
+    assert out["add"]["bias_share"] < 0.05 < out["swap"]["bias_share"]
+    assert out["swap"]["teacher_forced_error"] > 0.2 and out["sort"]["teacher_forced_error"] < 0.05
+    assert out["add"]["answer_tokens"] < out["swap"]["answer_tokens"]
+
+
+def test_lesson11_ex3_a_hotter_sampler_visits_prefixes_the_teacher_finds_unlikely():
+    out = lesson11.sampling_temperature(temperatures=(0.5, 1.5), n_prompts=64)
+    assert out[1.5]["teacher_logp"] < out[0.5]["teacher_logp"] < 0
+    assert out[1.5]["loss"] > out[0.5]["loss"] > 0

@@ -6,6 +6,8 @@ Each method's loss-based eval metrics live with the method (`sft.eval_loss`,
 
 from __future__ import annotations
 
+import numpy as np
+
 from tunix_nb import data
 from tunix_nb.batching import map_in_chunks
 from tunix_nb import model as model_lib
@@ -36,3 +38,42 @@ def exact_match_accuracy(graphdef, params, examples, **kwargs) -> float:
     """Fraction of SFT examples whose greedy answer equals the completion exactly."""
     answers = generate_answers(graphdef, params, [e["prompt"] for e in examples], **kwargs)
     return data.exact_match(answers, [e["completion"] for e in examples])
+
+
+def errors_by_position(graphdef, params, examples, *, tokenizer: Tokenizer | None = None,
+                       seq_len: int = data.DEFAULT_SEQ_LEN, max_new_tokens: int = data.MAX_NEW_TOKENS) -> dict:
+    """Token error rates by position k in the answer (answer tokens and eos), two ways.
+
+    - "teacher_forced" [T]: the greedy token at k after the *right* answer's first k
+      tokens (what training sees);
+    - "free_running" [T]: token k of the model's own greedy answer (what inference sees:
+      after its own first k tokens, wrong ones included);
+    - "rows" [T]: how many answers have a token k;
+
+    T is the longest answer's length.
+
+    Where the two differ, the model's own earlier mistakes caused the errors (exposure
+    bias); where its prefix is right, the two are the same prediction.
+    """
+    tokenizer = tokenizer or ByteTokenizer()
+    rows = data.sft_arrays(examples, tokenizer, seq_len)
+    logits_NxLxV = map_in_chunks(lambda b: model_lib.apply(graphdef, params, b["inputs"], b["attention_mask"]),
+                                 rows, 200)
+    mask_NxL = rows["loss_mask"] > 0
+    position_NxL = np.cumsum(mask_NxL, axis=1) - 1  # k of each answer token
+    right_NxL = logits_NxLxV.argmax(-1) == rows["targets"]
+    T = max_new_tokens
+    gold_NxT = np.zeros((len(examples), T), np.int64)
+    forced_NxT = np.zeros((len(examples), T), bool)
+    row_M, k_M = np.nonzero(mask_NxL)[0], position_NxL[mask_NxL]  # every answer token, M in all
+    gold_NxT[row_M, k_M] = rows["targets"][mask_NxL]
+    forced_NxT[row_M, k_M] = right_NxL[mask_NxL]
+    has_NxT = np.arange(T) < mask_NxL.sum(axis=1, keepdims=True)
+    prompts = data.prompt_arrays([e["prompt"] for e in examples], tokenizer, data.DEFAULT_PROMPT_LEN)
+    own_NxT = map_in_chunks(lambda b: model_lib.greedy_generate(
+        graphdef, params, b["tokens"], b["attention_mask"], max_new_tokens=T, eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id), prompts, 200)
+    count_T = has_NxT.sum(axis=0)
+    longest = int(np.count_nonzero(count_T))  # positions no answer reaches have no rate
+    rate = lambda right_NxT: (1 - (right_NxT & has_NxT).sum(axis=0) / np.maximum(count_T, 1))[:longest]  # noqa: E731
+    return {"teacher_forced": rate(forced_NxT), "free_running": rate(own_NxT == gold_NxT), "rows": count_T[:longest]}

@@ -190,6 +190,44 @@ def plot_distillation_comparison(runs: dict, *, title: str, eval_key: str = "eva
     return fig
 
 
+def plot_errors_by_position(models: dict, *, title: str):
+    """Token error rate by position in the answer, teacher-forced against free-running.
+
+    `models`: {label: `evaluate.errors_by_position(...)`}. A solid line is the model's
+    own greedy answer (free-running), a dashed one the same model after the right
+    prefix (teacher-forced): the gap between them is the exposure bias.
+    """
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for i, (label, errors) in enumerate(models.items()):
+        k = np.arange(len(errors["free_running"]))
+        ax.plot(k, 100 * errors["free_running"], color=f"C{i}", marker="o", label=f"{label}: own prefix")
+        ax.plot(k, 100 * errors["teacher_forced"], color=f"C{i}", ls="--", marker=".", label=f"{label}: right prefix")
+    ax.set(title=title, xlabel="position in the answer (0 = first token)", ylabel="token error (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_method_comparison(table: dict, *, title: str, tasks):
+    """Held-out exact match and eval loss per sub-task, one bar per method.
+
+    `table`: {method: {"exact_match": {task: fraction, ..., "all": ...}, "eval_loss": {...}}}.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+    columns = [*tasks, "all"]
+    width = 0.8 / len(table)
+    for ax, key, scale, label in ((axes[0], "exact_match", 100, "held-out exact match (%)"),
+                                  (axes[1], "eval_loss", 1, "eval loss (nats per answer token)")):
+        for i, (method, row) in enumerate(table.items()):
+            ax.bar(np.arange(len(columns)) + (i - (len(table) - 1) / 2) * width,
+                   [scale * row[key][c] for c in columns], width, label=method)
+        ax.set(xticks=np.arange(len(columns)), xticklabels=columns, ylabel=label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 # ------------------------------------------------------------------------- DPO
 
 
