@@ -16,7 +16,8 @@ How an entry reads:
   regular expression over one code cell's stored output (text and text/plain), with
   `{}` for each number it reads and `{n}` for a number it skips, matching exactly one
   cell; or `WALL`, the cells' wall time from the execution timestamps the notebook
-  keeps. For a record, `where` is a key path ("figures.x.value"), or several.
+  keeps. For a record, `where` is a key path ("figures.x.value", or a tuple of keys where
+  a key holds a dot), or several.
 - `combine` makes several numbers one ("max", "ratio" a/b, "difference" a-b), and
   `scale` converts the stored unit to the README's (1e3: seconds to ms, 100: to %).
 The README's value must equal the stored one rounded to as many decimals as the README
@@ -67,7 +68,47 @@ def cache_record(name, readme, *keys, **kw):
 
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
 N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", "07_benchmarks"
-N08, N09, N10 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora"
+N08, N09, N10, N11 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora", "11_on_policy_distillation"
+GKD = "gkd.json"
+GKD_ROW = "| 11 | exact match on 1000 test prompts after 150 steps from the SFT student ({n}%): offline (lesson 02) / " \
+          "on-policy forward KL / on-policy JSD(0.5) / seq_kd |"
+GKD_BIAS_ROW = "| 11 | same, share of the free-running token errors caused by the student's own prefix |"
+GKD_METHODS = ("offline (lesson 02)", "on-policy, forward KL", "on-policy, JSD(0.5)", "seq_kd")
+
+
+TUNIX = "tunix_compare.json"
+TUNIX_ROWS = {"SFT": "sft", "DPO": "dpo", "distillation": "distill"}
+
+
+def tunix_table_figures():
+    """The Tunix comparison's table: medians and quartiles on 1 and 8 devices, targets, first-step losses."""
+    out = []
+    for label, method in TUNIX_ROWS.items():
+        cells = ["{} ({}–{})", "{} ({}–{})", "≤ {}", "{} / {}"]
+        keys = [[("figures", method, n, k) for k in ("value",) + (("spread", "q25"), ("spread", "q75"))]
+                for n in ("1", "8")]
+        paths = [*keys[0], *keys[1], ("figures", method, "1", "target"),
+                 ("figures", method, "1", "losses", "kit", 0), ("figures", method, "1", "losses", "tunix", 0)]
+        row = " | ".join(cells)
+        for i, path in enumerate(paths):
+            numbered = iter(range(len(paths)))
+            text = re.sub(r"\{\}", lambda m: "{}" if next(numbered) == i else "{n}", row)
+            flat = tuple(k for part in path for k in (part if isinstance(part, tuple) else (part,)))
+            out.append(Figure(f"tunix {method} {'.'.join(map(str, flat[2:]))}", f"| {label} | {text} |", TUNIX, (flat,)))
+    return out
+
+
+def gkd_figures():
+    """Lesson 11's comparison rows: results/gkd.json, which the lesson writes (and a test ties to its table)."""
+    out = [Figure("11 SFT student exact match", "after 150 steps from the SFT student ({}%)", GKD,
+                  ("methods.SFT student (start).exact_match.all",), scale=100)]
+    for i, method in enumerate(GKD_METHODS):
+        cells = " / ".join(["{n}%"] * i + ["{}%"] + ["{n}%"] * (len(GKD_METHODS) - i - 1))
+        out.append(Figure(f"11 exact match, {method}", f"{GKD_ROW} {cells} |", GKD,
+                          (("methods", method, "exact_match", "all"),), scale=100))
+        out.append(Figure(f"11 exposure bias share, {method}", f"{GKD_BIAS_ROW} {cells} |", GKD,
+                          (("methods", method, "exposure_bias_share"),), scale=100))
+    return out
 F = "figures."
 LORA = F + "lora_optimizer_state_share."  # the LoRA study's table and settings live with this figure
 P = F + "lora_step_time_ratio.thin_matmul_profile."
@@ -140,9 +181,9 @@ def bench_table_figures():
 FIGURES = [
     # ------------------------------------------------------------ Learning path: the cells' time
     *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
-      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10)],
+      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10, N11)],
     # ------------------------------------------------------------ Results the lessons measure
-    nb("08 GRPO 8 devices vs 1", "after 2 steps | {} |", N08, r"vs 1 after 2 GRPO steps: largest parameter difference {}"),
+    nb("08 GRPO 8 devices vs 1", "vs jit on 1, largest parameter difference after 2 steps | {} |", N08, r"vs 1 after 2 GRPO steps: largest parameter difference {}"),
     nb("08 greedy exact match, SFT", "the lesson shows why) | {}% →", N08, r"greedy, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
     nb("08 greedy exact match, GRPO", "the lesson shows why) | {n}% → {}% |", N08, r"greedy, GRPO\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
     nb("08 sampled exact match, SFT", "temperature 1 | {}% →", N08, r"8 samples at T=1, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
@@ -158,6 +199,27 @@ FIGURES = [
     nb("03 grad_accum vs whole, SGD", "(AdamW; SGD) | {n}; {} |", N03, r"SGD  : grad_accum=4 vs the whole batch, {n} device\(s\), {n} steps: largest parameter difference {}"),
     nb("10 adapters' share", "adapters' share of its parameters | {}% |", N10, r"adapters {n} \({}%\)"),
     nb("10 student before", "fresh prompts from the student ({}%)", N10, r"exact match: student {}%; after"),
+    nb("11 token error, right prefix", "after the right prefix / after its own (1000 test prompts) | {}% /", N11,
+       r"offline-distilled student\s+token error: right prefix {}%"),
+    nb("11 token error, own prefix", "after the right prefix / after its own (1000 test prompts) | {n}% / {}% |", N11,
+       r"offline-distilled student\s+token error: right prefix {n}%, own prefix {}%"),
+    nb("11 GKD 8 devices vs 1", "8 devices vs 1, largest parameter difference after 2 steps | {} |", N11,
+       r"vs 1, steps \[.*\]: largest parameter difference {}"),
+    *gkd_figures(),
+    *tunix_table_figures(),
+    Figure("tunix sft kit GFLOP", "XLA counts {} and {n} GFLOP per", TUNIX,
+           (("figures", "sft", "1", "gradient_profile", "xla_cost", "kit", "flops"),), scale=1e-9),
+    Figure("tunix sft Tunix GFLOP", "XLA counts {n} and {} GFLOP per", TUNIX,
+           (("figures", "sft", "1", "gradient_profile", "xla_cost", "tunix", "flops"),), scale=1e-9),
+    Figure("tunix sft losses agree", "The losses agree at every step, to {} relative on 1 device", TUNIX,
+           (("figures", "sft", "1", "losses", "max_relative_difference"),)),
+    Figure("tunix dpo reference share", "(`tunix_prepare`, {} of its step on 1 device)", TUNIX,
+           (("figures", "dpo", "1", "seconds", "tunix_prepare"), ("figures", "dpo", "1", "seconds", "tunix")),
+           combine="ratio"),
+    Figure("tunix dpo host batch", "then takes {} and its distillation step", TUNIX,
+           (("figures", "dpo", "8", "kit_over_tunix_host_batch", "median"),)),
+    Figure("tunix distill host batch", "its distillation step {} of Tunix's on 8 devices", TUNIX,
+           (("figures", "distill", "8", "kit_over_tunix_host_batch", "median"),)),
     nb("10 full after 100 steps", "QLoRA nf4 r16 | {}% /", N10, r"full {}%, LoRA r16"),
     nb("10 LoRA after 100 steps", "QLoRA nf4 r16 | {n}% / {}% /", N10, r"LoRA r16 {}%\n"),
     nb("10 QLoRA after 100 steps", "QLoRA nf4 r16 | {n}% / {n}% / {}% |", N10, r"after {n} steps {}%\n"),
@@ -426,10 +488,11 @@ def stored(fig: Figure) -> tuple[float, str]:
         values = []
         for path in fig.where:
             value = results
-            for key in path.split("."):
-                value = value[key]
+            for key in path if isinstance(path, tuple) else path.split("."):  # a tuple: keys with dots
+                value = value[key]  # (or list indices)
             values.append(float(value))
-        where = f"results/{fig.source}: " + " and ".join(fig.where)
+        where = f"results/{fig.source}: " + " and ".join(p if isinstance(p, str) else ".".join(map(str, p))
+                                                         for p in fig.where)
     else:
         pattern = re.compile(fig.where.replace("{}", f"({NUMBER})").replace("{n}", NUMBER))
         cells = notebook(fig.source)["cells"]
