@@ -16,9 +16,10 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 # What makes a lesson's path depend on how many devices there are.
-DEVICE_DEPENDENT = re.compile(r"device_count|local_devices|jax\.devices|has_devices|pmap|make_mesh|shard_map|"
-                              r"parallel_mode=\"(?!jit\")|tunix_nb\.launch|TUNIX_NB_DEVICES")
-DEVICE_INDEPENDENT = ("01_vmap_kl_distillation.ipynb", "02_distilling_a_student.ipynb")
+# (calls and strategy names, not words: lesson 07 prints a stored run's "device_count" and "pmap" step)
+DEVICE_DEPENDENT = re.compile(r"device_count\(|local_devices|jax\.devices|has_devices|pmap\(|\"pmap\"|make_mesh|"
+                              r"shard_map|parallel_mode=\"(?!jit\")|tunix_nb\.launch|TUNIX_NB_DEVICES")
+DEVICE_INDEPENDENT = ("01_vmap_kl_distillation.ipynb", "02_distilling_a_student.ipynb", "07_benchmarks.ipynb")
 
 
 def _code(path) -> str:
