@@ -24,8 +24,8 @@ beta = 0 and no seq_kd every batch is "data" and the step is lesson 02's, bit fo
 
 What is data-parallel: sampling, the student's and the teacher's (each device samples its
 own rows, `grpo.make_sampler`, with one key per row, so 1 device and 8 draw the same
-tokens), and the step (sums and counts all-reduced, as for every method). `make_batches` returns a
-`rollout_fn` for `train.run_on_policy`, with the teacher as its `frozen` argument.
+tokens), and the step (sums and counts all-reduced, as for every method). `make_batches`
+returns a `rollout_fn` for `train.run_on_policy`, with the teacher as its `frozen` argument.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import numpy as np
 from tunix_nb import data, grpo
 from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 
-SOURCES = ("data", "student", "teacher")
 _COIN = 0x6B64  # the coin's own stream: it never shares draws with the data order or sampling
 
 
