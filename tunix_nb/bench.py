@@ -6,6 +6,10 @@ rounds, each timing every contender once, and a figure is the median of its per-
 ratios, stored with their spread (quartiles, min and max). `--quick` runs smaller sizes
 with fewer rounds: its figures are marked as not comparable to the targets. Results go
 to DIR/bench.json (merged with what is there) and DIR/*.png.
+
+Its optional part, the kit's steps against Tunix's trainers, needs google-tunix (not in
+requirements.txt) and runs on its own: `python -m tunix_nb.tunix_compare` (skipped, with
+the reason and the install commands, where Tunix is not installed).
 """
 
 from __future__ import annotations
@@ -995,7 +999,9 @@ def describe(fig: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tunix_nb.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tunix_nb.bench", description=__doc__.splitlines()[0],
+                                     epilog="The kit's steps against Tunix's trainers (optional, needs google-tunix): "
+                                            "python -m tunix_nb.tunix_compare")
     parser.add_argument("--quick", action="store_true", help="a CI-sized run (about a minute)")
     parser.add_argument("--only", choices=sorted(set(GROUPS) | set(FIGURES)),
                         help="run one figure (or its group, e.g. dp_overhead runs the dp group)")
