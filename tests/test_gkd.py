@@ -178,12 +178,10 @@ def test_on_policy_distillation_on_8_devices_equals_1(models, one_device_run, pa
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    return env
+def env():
+    """Every run in its own process, on one device unless --devices says otherwise (the command
+    shares the kit's compilation cache on its own)."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def _train(env, *args):

@@ -82,19 +82,15 @@ TUNIX_ROWS = {"SFT": "sft", "DPO": "dpo", "distillation": "distill"}
 
 def tunix_table_figures():
     """The Tunix comparison's table: medians and quartiles on 1 and 8 devices, targets, first-step losses."""
+    row = "{} ({}–{}) | {} ({}–{}) | ≤ {} | {} / {}".split("{}")  # the cells' text around the numbers
     out = []
     for label, method in TUNIX_ROWS.items():
-        cells = ["{} ({}–{})", "{} ({}–{})", "≤ {}", "{} / {}"]
-        keys = [[("figures", method, n, k) for k in ("value",) + (("spread", "q25"), ("spread", "q75"))]
-                for n in ("1", "8")]
-        paths = [*keys[0], *keys[1], ("figures", method, "1", "target"),
-                 ("figures", method, "1", "losses", "kit", 0), ("figures", method, "1", "losses", "tunix", 0)]
-        row = " | ".join(cells)
+        paths = [(n, *k) for n in ("1", "8") for k in (("value",), ("spread", "q25"), ("spread", "q75"))]
+        paths += [("1", "target"), ("1", "losses", "kit", 0), ("1", "losses", "tunix", 0)]
         for i, path in enumerate(paths):
-            numbered = iter(range(len(paths)))
-            text = re.sub(r"\{\}", lambda m: "{}" if next(numbered) == i else "{n}", row)
-            flat = tuple(k for part in path for k in (part if isinstance(part, tuple) else (part,)))
-            out.append(Figure(f"tunix {method} {'.'.join(map(str, flat[2:]))}", f"| {label} | {text} |", TUNIX, (flat,)))
+            text = "".join(part + ("{}" if j == i else "{n}") for j, part in enumerate(row[:-1])) + row[-1]
+            out.append(Figure(f"tunix {method} {'.'.join(map(str, path))}", f"| {label} | {text} |", TUNIX,
+                              (("figures", method, *path),)))
     return out
 
 
