@@ -39,3 +39,16 @@ def pytest_terminal_summary(terminalreporter):
         for path, seconds in sorted(times.items()):
             status = "FAILED" if path in failed else "ok"
             terminalreporter.write_line(f"{path}: {seconds:.1f} s of cells, {status}")
+
+
+# nbval waits at most 5 s (IPyNbCell.output_timeout) for each output message after a cell
+# has run; on a loaded 2-core machine a cell that printed a progress bar can miss that
+# and fail with "Timeout of 5 seconds exceeded waiting for output". The cells' own
+# limit stays --nbval-cell-timeout.
+NBVAL_OUTPUT_TIMEOUT_S = 60
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if hasattr(item, "output_timeout"):
+            item.output_timeout = NBVAL_OUTPUT_TIMEOUT_S

@@ -68,6 +68,74 @@ def test_nbval_markers_are_first_lines(notebook):
             assert len(src.splitlines()[0]) > len("# NBVAL_IGNORE_OUTPUT") + 3
 
 
+# A checked cell (# NBVAL_CHECK_OUTPUT) prints only what holds on every machine: verdicts
+# against a tolerance, exact integers, bitwise equalities, trained results that stay put.
+# A difference or residual computed at run time is rounding, whose last bits differ
+# between processors; it goes in a # NBVAL_IGNORE_OUTPUT cell beside an assert of its
+# tolerance. A tolerance is a constant, printed right after "≤" or "<" in a verdict
+# ("... ≤ 9.2e-05: True"). Other numbers below SMALL that checked cells may print, each
+# with its reason:
+SMALL = 1e-3
+NUMBER = re.compile(r"(?<![\w.])(?<!≤ )(?<!< )[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+ALLOWED_SMALL = {
+    "01_vmap_kl_distillation.ipynb": {
+        r"^T=16\.0: +\|grad KL\| = 0\.00034 ": "a gradient norm the lesson shows shrinking as 1/T², "
+                                               "printed to two significant digits, not a rounding residual",
+        r"^beta=0\.0001 +T²·JSD 0\.0005$": "the constant beta = 1e-4, and the JSD's limit near beta = 0, "
+                                           "printed to one significant digit",
+        r"^beta=0\.9999 +T²·JSD 0\.0005$": "the JSD's limit near beta = 1, printed to one significant digit",
+    },
+    "09_hf_checkpoints.ipynb": {
+        r"^rms_norm_eps +1e-06$": "a constant of the fixture's config.json",
+        r"^ModelConfig\(.*norm_eps=1e-06,": "the same constant, in the kit's config",
+        r"^  \w+ +largest logits difference \d\.\de-\d\d$":
+            "read from the stored tests/fixtures/hf/transformers_reads_kit.json, not computed here",
+    },
+}
+
+
+def small_numbers_not_allowed(name: str, text: str) -> list[str]:
+    """The lines of a checked cell's output that hold a number in (0, SMALL) not on the allowlist."""
+    allowed = ALLOWED_SMALL.get(name, {})
+    return [line for line in text.splitlines()
+            if any(0 < abs(float(x)) < SMALL for x in NUMBER.findall(line))
+            and not any(re.search(pattern, line) for pattern in allowed)]
+
+
+def checked_outputs(nb) -> list[tuple[int, str]]:
+    """(code cell index, output text) of every # NBVAL_CHECK_OUTPUT cell."""
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    return [(i, "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                        for o in c["outputs"]))
+            for i, c in enumerate(code) if source(c).startswith("# NBVAL_CHECK_OUTPUT")]
+
+
+def test_checked_cells_print_no_rounding_residuals(notebook):
+    path, nb = notebook
+    for i, text in checked_outputs(nb):
+        lines = small_numbers_not_allowed(path.name, text)
+        assert not lines, (f"{path.name} code cell {i} is # NBVAL_CHECK_OUTPUT but prints a number below {SMALL}, "
+                           f"which differs between processors: {lines}. Print a verdict against a tolerance "
+                           "there, and the figure in a # NBVAL_IGNORE_OUTPUT cell with an assert of its tolerance "
+                           "(or add a constant, or a value read from a stored file, to ALLOWED_SMALL with its reason)")
+
+
+def test_the_residual_check_catches_a_printed_difference():
+    assert small_numbers_not_allowed("03_pmap_sft.ipynb", "largest parameter difference 1.0e-06\nsteps 10")
+    assert small_numbers_not_allowed("10_lora_qlora.ipynb", "relative error 0.00004 of the 0.5 travelled")
+    assert not small_numbers_not_allowed("03_pmap_sft.ipynb", "largest difference ≤ 1e-4 (float32's bound): True\n0.0e+00")
+    assert not small_numbers_not_allowed("09_hf_checkpoints.ipynb", "rms_norm_eps           1e-06")
+
+
+def test_every_allowed_small_number_is_still_printed():
+    """An allowlist entry that no longer matches anything is stale: drop it."""
+    for name, patterns in ALLOWED_SMALL.items():
+        nb = json.loads((REPO / "notebooks" / name).read_text())
+        lines = [line for _, text in checked_outputs(nb) for line in text.splitlines()]
+        for pattern in patterns:
+            assert any(re.search(pattern, line) for line in lines), f"{name}: {pattern!r} matches no checked output"
+
+
 SOLUTION_REF = re.compile(r"solutions\.(lesson\d\d)\.(\w+)")
 
 
