@@ -425,3 +425,25 @@ def test_uneven_batch_gives_each_device_its_own_slice_by_length():
     np.testing.assert_array_equal(later["inputs"][:2], rows["inputs"][[2, 3]])
     with pytest.raises(data.DataError, match="at least 128 rows"):
         data.uneven_batch(rows, 0, n_devices=8, per_device=16)
+
+
+def test_the_long_family_fits_its_lengths_and_is_balanced():
+    from collections import Counter
+
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    examples = data.generate_sft(2000, seed=0, family="long")
+    assert Counter(e["task"] for e in examples) == {t: 1000 for t in data.LONG_TASKS}
+    assert len({e["prompt"] for e in examples}) == len(examples)
+    assert {len(e["completion"]) for e in examples} == set(range(data.LONG_MIN, data.LONG_MAX + 1))
+    for e in examples:
+        body = e["prompt"].split(" ", 1)[1][:-1]
+        assert e["completion"] == (body[::-1] if e["task"] == "long_reverse" else "".join(sorted(body)))
+    tok = ByteTokenizer()
+    data.sft_arrays(examples, tok, data.LONG_SEQ_LEN)  # raises if a row does not fit
+    data.prompt_arrays([e["prompt"] for e in examples], tok, data.LONG_PROMPT_LEN)
+    longest = max(len(e["completion"]) for e in examples)
+    assert longest + 1 <= data.LONG_MAX_NEW_TOKENS  # the answer and its eos
+    assert data.LONG_PROMPT_LEN + data.LONG_MAX_NEW_TOKENS == data.LONG_SEQ_LEN
+    with pytest.raises(ValueError, match="family must be one of"):
+        data.generate_sft(4, seed=0, family="medium")

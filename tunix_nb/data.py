@@ -142,16 +142,53 @@ _SAMPLERS: dict[str, Callable[[random.Random], tuple[str, str, list[str]]]] = {
 }
 
 
-def _generate(n: int, seed: int, exclude: Iterable[str], preferences: bool) -> list[dict]:
+# ---------------------------------------------------------------- the long family (opt-in)
+
+# Reversing and sorting 6-14 symbols, for the lessons whose methods need long answers
+# (GRPO's pass@k, on-policy distillation's compounding errors: lessons 08 and 11). Opt-in:
+# `generate_sft(..., family="long")`; nothing above, nor the shipped files, changes.
+LONG_TASKS = ("long_reverse", "long_sort")
+LONG_MIN, LONG_MAX = 6, 14
+# Longest prompt "sort " + 14 digits + "=" (20 bytes), longest answer 14: a row is
+# 1 + 20 + 14 + 1 = 36 tokens (seq_len 35, one to spare); generation: bos + prompt in 21,
+# answer + eos in 15. As for the short family, LONG_PROMPT_LEN + LONG_MAX_NEW_TOKENS ==
+# LONG_SEQ_LEN: a sampled row is as long as a training row.
+LONG_SEQ_LEN = 36
+LONG_PROMPT_LEN = 21
+LONG_MAX_NEW_TOKENS = 15
+
+
+def _long_reverse(rng: random.Random) -> tuple[str, str, list[str]]:
+    w = _word(rng, LONG_MIN, LONG_MAX)
+    return f"rev {w}=", w[::-1], [w]
+
+
+def _long_sort(rng: random.Random) -> tuple[str, str, list[str]]:
+    digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(LONG_MIN, LONG_MAX)))
+    s = "".join(sorted(digits))
+    return f"sort {digits}=", s, _adjacent_swaps(s)[:1]
+
+
+_LONG_SAMPLERS: dict[str, Callable[[random.Random], tuple[str, str, list[str]]]] = {
+    "long_reverse": _long_reverse,
+    "long_sort": _long_sort,
+}
+FAMILIES = {"short": (TASKS, _SAMPLERS), "long": (LONG_TASKS, _LONG_SAMPLERS)}
+
+
+def _generate(n: int, seed: int, exclude: Iterable[str], preferences: bool, family: str = "short") -> list[dict]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}.")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}.")
+    tasks, samplers = FAMILIES[family]
     rng = random.Random(seed)
     seen = set(exclude)  # prompts are unique within a file and never in `exclude`
     out = []
     for i in range(n):
-        task = TASKS[i % len(TASKS)]  # cycle, then shuffle: exactly balanced, random order
+        task = tasks[i % len(tasks)]  # cycle, then shuffle: exactly balanced, random order
         for _ in range(10_000):
-            prompt, answer, wrong = _SAMPLERS[task](rng)
+            prompt, answer, wrong = samplers[task](rng)
             wrong = [w for w in dict.fromkeys(wrong) if w and w != answer]
             if prompt not in seen and (wrong or not preferences):
                 break
@@ -166,12 +203,14 @@ def _generate(n: int, seed: int, exclude: Iterable[str], preferences: bool) -> l
     return out
 
 
-def generate_sft(n: int, seed: int, *, exclude: Iterable[str] = ()) -> list[dict]:
+def generate_sft(n: int, seed: int, *, exclude: Iterable[str] = (), family: str = "short") -> list[dict]:
     """n SFT examples {prompt, completion, task}, balanced over the sub-tasks.
 
     Prompts are unique and never one of `exclude` (to keep eval apart from train).
+    `family="long"`: the long family's sub-tasks (`LONG_TASKS`, answers of 6-14 symbols;
+    encode them with `LONG_SEQ_LEN`, generate with `LONG_PROMPT_LEN` and `LONG_MAX_NEW_TOKENS`).
     """
-    return _generate(n, seed, exclude, preferences=False)
+    return _generate(n, seed, exclude, preferences=False, family=family)
 
 
 def generate_preferences(n: int, seed: int, *, exclude: Iterable[str] = ()) -> list[dict]:

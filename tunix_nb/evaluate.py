@@ -41,7 +41,8 @@ def exact_match_accuracy(graphdef, params, examples, **kwargs) -> float:
 
 
 def errors_by_position(graphdef, params, examples, *, tokenizer: Tokenizer | None = None,
-                       seq_len: int = data.DEFAULT_SEQ_LEN, max_new_tokens: int = data.MAX_NEW_TOKENS) -> dict:
+                       seq_len: int = data.DEFAULT_SEQ_LEN, max_new_tokens: int = data.MAX_NEW_TOKENS,
+                       prompt_len: int = data.DEFAULT_PROMPT_LEN) -> dict:
     """Token error rates by position k in the answer (answer tokens and eos), two ways.
 
     - "teacher_forced" [T]: the greedy token at k after the *right* answer's first k
@@ -69,7 +70,7 @@ def errors_by_position(graphdef, params, examples, *, tokenizer: Tokenizer | Non
     gold_NxT[row_M, k_M] = rows["targets"][mask_NxL]
     forced_NxT[row_M, k_M] = right_NxL[mask_NxL]
     has_NxT = np.arange(T) < mask_NxL.sum(axis=1, keepdims=True)
-    prompts = data.prompt_arrays([e["prompt"] for e in examples], tokenizer, data.DEFAULT_PROMPT_LEN)
+    prompts = data.prompt_arrays([e["prompt"] for e in examples], tokenizer, prompt_len)
     own_NxT = map_in_chunks(lambda b: model_lib.greedy_generate(
         graphdef, params, b["tokens"], b["attention_mask"], max_new_tokens=T, eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id), prompts, 200)

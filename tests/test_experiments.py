@@ -1,0 +1,87 @@
+"""Experiments over seeds: the statistics checked against closed forms and independent computations."""
+
+from math import comb
+
+import numpy as np
+import pytest
+
+from tunix_nb.experiments import stats
+
+
+def test_a_constant_gain_has_a_zero_width_interval():
+    a = np.full((5, 100), 0.7)
+    out = stats.paired_gain(a, a - 0.2)
+    assert out["mean"] == pytest.approx(0.2) and out["ci95"] == pytest.approx([0.2, 0.2])
+    assert out["per_seed"] == pytest.approx([0.2] * 5) and (out["seeds"], out["prompts"]) == (5, 100)
+
+
+def test_the_interval_covers_prompt_noise_like_a_standard_error():
+    """One seed, prompt-level noise only: the bootstrap's interval is the normal one, mean +- 1.96 SE."""
+    d = np.random.default_rng(0).normal(0.1, 1.0, size=(1, 4000))
+    out = stats.paired_gain(d, np.zeros_like(d))
+    se = d.std(ddof=1) / np.sqrt(d.size)
+    assert out["ci95"][0] == pytest.approx(d.mean() - 1.96 * se, abs=0.25 * se)
+    assert out["ci95"][1] == pytest.approx(d.mean() + 1.96 * se, abs=0.25 * se)
+
+
+def test_the_interval_widens_with_seed_noise():
+    """The same per-prompt noise, plus a gain that moves from seed to seed: the interval must
+    cover the seeds' spread too (a prompt-only bootstrap would not)."""
+    rng = np.random.default_rng(1)
+    prompt_noise = rng.normal(0, 0.3, size=(5, 1000))
+    quiet = stats.paired_gain(0.1 + prompt_noise, np.zeros((5, 1000)))
+    seeds = np.array([-0.2, 0.0, 0.1, 0.2, 0.4])[:, None]
+    noisy = stats.paired_gain(seeds + prompt_noise, np.zeros((5, 1000)))
+    width = lambda out: out["ci95"][1] - out["ci95"][0]  # noqa: E731
+    assert width(noisy) > 5 * width(quiet)
+    assert noisy["ci95"][0] < 0 < noisy["ci95"][1]  # five seeds this spread cannot exclude 0
+
+
+def test_pairing_removes_what_both_arms_share():
+    """Prompt difficulty that both arms see cancels in a paired gain."""
+    rng = np.random.default_rng(2)
+    difficulty = rng.normal(0, 1, size=(3, 500))
+    out = stats.paired_gain(difficulty + 0.05, difficulty)
+    assert out["ci95"] == pytest.approx([0.05, 0.05])
+
+
+@pytest.mark.parametrize("a, b, message", [
+    (np.zeros((2, 3)), np.zeros((2, 4)), "one shape"),
+    (np.zeros(3), np.zeros(3), "one shape"),
+    (np.full((2, 3), np.nan), np.zeros((2, 3)), "NaN"),
+])
+def test_bad_scores_are_refused(a, b, message):
+    with pytest.raises(ValueError, match=message):
+        stats.paired_gain(a, b)
+
+
+def test_pass_at_k_is_the_chance_that_k_of_n_hold_a_right_one():
+    assert stats.pass_at_k(2, 1, 1) == 0.5 and stats.pass_at_k(2, 1, 2) == 1.0
+    assert stats.pass_at_k(10, 0, 5) == 0.0 and stats.pass_at_k(10, 10, 1) == 1.0
+    # by enumeration: every k-subset of n samples, c of them right
+    from itertools import combinations
+    n, c, k = 7, 2, 3
+    subsets = list(combinations(range(n), k))
+    assert stats.pass_at_k(n, c, k) == pytest.approx(sum(any(i < c for i in s) for s in subsets) / comb(n, k))
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        stats.pass_at_k(4, 1, 5)
+
+
+def test_pass_at_k_curve_is_per_prompt_and_rises_with_k():
+    correct = np.array([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    curve = stats.pass_at_k_curve(correct, ks=[1, 2, 4])
+    np.testing.assert_allclose(curve[:, 0], [0.25, 0.5, 1.0])
+    np.testing.assert_allclose(curve[:, 1], 0.0)
+    np.testing.assert_allclose(curve[:, 2], 1.0)
+
+
+@pytest.mark.parametrize("a, b, distance", [("", "", 0), ("abc", "abc", 0), ("abc", "", 3), ("kitten", "sitting", 3),
+                                            ("lamot", "tomal", 4), ("1359", "1539", 2)])
+def test_edit_distance_is_levenshteins(a, b, distance):
+    assert stats.edit_distance(a, b) == distance == stats.edit_distance(b, a)
+
+
+def test_edit_similarity_credits_a_long_answer_with_one_slip():
+    assert stats.edit_similarity("danisubegeke", "danisubegeke") == 1.0
+    assert stats.edit_similarity("danisubgeke", "danisubegeke") == pytest.approx(11 / 12)  # one letter dropped
+    assert stats.edit_similarity("", "abc") == 0.0 and stats.edit_similarity("", "") == 1.0

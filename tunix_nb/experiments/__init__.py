@@ -1,0 +1,15 @@
+"""Experiments over seeds: the claims the lessons make about methods, as statistics.
+
+`stats` holds the statistics (paired gains with a 95% interval over seeds and test
+prompts, pass@k, edit similarity); `runner` runs an experiment's arms over seeds and
+stores the record; each experiment is a module of its own, named for what it asks:
+
+- `scarce_labels` (lesson 02): distillation when labels are scarce and prompts are free;
+- `grpo_pass_at_k` (lesson 08): GRPO turning pass@k into pass@1 on long answers;
+- `gkd_long_answers` (lesson 11): on-policy distillation where errors compound.
+
+`python -m tunix_nb.experiments <experiment> --seeds 5 --out results/<file>.json` makes a
+stored run; the lessons read it and rerun fewer seeds live.
+"""
+
+EXPERIMENTS = {"lesson02_distillation": "scarce_labels"}

@@ -1,0 +1,87 @@
+"""The statistics of a claim "A beats B": paired gains over seeds with a 95% interval, pass@k, edit similarity.
+
+A method's gain on one seed is noise plus effect: the initialisation, the data order and
+the draw of test prompts all move it. So an experiment runs each arm over S seeds (arms
+that share a seed share the initialisation and the data order), scores every test
+prompt, and reports the mean paired gain with an interval from a two-level bootstrap
+that resamples seeds and prompts together (`paired_gain`): both sources of noise are in
+the interval.
+"""
+
+from __future__ import annotations
+
+from math import comb
+from typing import Sequence
+
+import numpy as np
+
+CONFIDENCE = 0.95
+N_BOOTSTRAP = 10_000
+
+
+def paired_gain(a_SxN, b_SxN, *, seed: int = 0, n_bootstrap: int = N_BOOTSTRAP) -> dict:
+    """Mean over seeds and prompts of a - b, with its 95% bootstrap interval.
+
+    `a_SxN`, `b_SxN`: the two arms' scores, seed s (the same initialisation and data order
+    in both arms) by test prompt n (the same prompts in both). Each bootstrap draw picks S
+    seeds and N prompts with replacement, the same for both arms (they stay paired), and
+    averages the differences; the interval is the 2.5th and 97.5th percentiles of the draws.
+    Returns {"mean", "ci95": [lo, hi], "per_seed": [gain of each seed], "seeds", "prompts"}.
+    """
+    a_SxN, b_SxN = np.asarray(a_SxN, np.float64), np.asarray(b_SxN, np.float64)
+    if a_SxN.ndim != 2 or a_SxN.size == 0 or a_SxN.shape != b_SxN.shape:
+        raise ValueError(f"a and b must be [seeds, prompts] arrays of one shape, got {a_SxN.shape} and {b_SxN.shape}")
+    d_SxN = a_SxN - b_SxN
+    if not np.isfinite(d_SxN).all():
+        raise ValueError("the scores hold NaN or inf: an arm failed; look at its runs before comparing")
+    S, N = d_SxN.shape
+    rng = np.random.default_rng(seed)
+    w_BxS = rng.multinomial(S, np.full(S, 1 / S), size=n_bootstrap)  # how often each seed is drawn
+    w_BxN = rng.multinomial(N, np.full(N, 1 / N), size=n_bootstrap)
+    draws_B = np.einsum("bs,sn,bn->b", w_BxS, d_SxN, w_BxN, optimize=True) / (S * N)
+    tail = (1 - CONFIDENCE) / 2
+    lo, hi = np.quantile(draws_B, [tail, 1 - tail])
+    return {"mean": float(d_SxN.mean()), "ci95": [float(lo), float(hi)],
+            "per_seed": [float(g) for g in d_SxN.mean(axis=1)], "seeds": S, "prompts": N}
+
+
+def mean_interval(scores_SxN, *, seed: int = 0, n_bootstrap: int = N_BOOTSTRAP) -> dict:
+    """One arm's mean score with the same two-level bootstrap interval as `paired_gain`."""
+    scores_SxN = np.asarray(scores_SxN, np.float64)
+    return paired_gain(scores_SxN, np.zeros_like(scores_SxN), seed=seed, n_bootstrap=n_bootstrap)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt from n samples of which c are right (Chen et al.,
+    2021): 1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement
+    from the n hold at least one right answer."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def pass_at_k_curve(correct_NxM, ks: Sequence[int]) -> np.ndarray:
+    """[len(ks), N]: pass@k of every prompt, from its M samples' correctness (a bool [N, M])."""
+    correct_NxM = np.asarray(correct_NxM, bool)
+    m = correct_NxM.shape[1]
+    c_N = correct_NxM.sum(axis=1)
+    return np.array([[pass_at_k(m, int(c), k) for c in c_N] for k in ks])
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest insertions, deletions and substitutions from a to b."""
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, start=1):
+        current = [i]
+        for j, y in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def edit_similarity(prediction: str, reference: str) -> float:
+    """1 - edit distance / the longer length: 1 for an exact match, 0 for nothing in common.
+    Unlike exact match it sees how much of a long answer is right, so it counts errors made
+    after the model's own wrong prefix."""
+    longest = max(len(prediction), len(reference))
+    return 1.0 if longest == 0 else 1.0 - edit_distance(prediction, reference) / longest
