@@ -85,3 +85,9 @@ def test_edit_similarity_credits_a_long_answer_with_one_slip():
     assert stats.edit_similarity("danisubegeke", "danisubegeke") == 1.0
     assert stats.edit_similarity("danisubgeke", "danisubegeke") == pytest.approx(11 / 12)  # one letter dropped
     assert stats.edit_similarity("", "abc") == 0.0 and stats.edit_similarity("", "") == 1.0
+
+
+def test_describe_gain_prints_the_mean_and_interval_in_points():
+    gain = {"mean": 0.30125, "ci95": [0.27, -0.0149]}
+    assert stats.describe_gain(gain) == "+30.1 points (95% interval +27.0 to -1.5)"
+    assert stats.describe_gain(gain, scale=1, decimals=4, unit="") == "+0.3013 (95% interval +0.2700 to -0.0149)"

@@ -1,12 +1,11 @@
 """Gradient accumulation: K micro-batches give the whole batch's update, for every method
 and strategy, even when the micro-batches hold different numbers of tokens."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from tunix_nb import compare, data, distill, dpo, losses, model, train
+from tunix_nb import compare, data, distill, dpo, model, train
 from tunix_nb import sft as sft_method
 from tunix_nb.tokenizer import ByteTokenizer
 

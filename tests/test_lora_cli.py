@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, compare, data, lora, model, preempt
+from tunix_nb import checkpoint, compare, lora, model, preempt
 from tunix_nb import cli as cli_module
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]

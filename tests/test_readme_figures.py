@@ -69,11 +69,52 @@ def cache_record(name, readme, *keys, **kw):
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
 N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", "07_benchmarks"
 N08, N09, N10, N11 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora", "11_on_policy_distillation"
-GKD = "gkd.json"
-GKD_ROW = "| 11 | exact match on 1000 test prompts after 150 steps from the SFT student ({n}%): offline (lesson 02) / " \
-          "on-policy forward KL / on-policy JSD(0.5) / seq_kd |"
-GKD_BIAS_ROW = "| 11 | same, share of the free-running token errors caused by the student's own prefix |"
-GKD_METHODS = ("offline (lesson 02)", "on-policy, forward KL", "on-policy, JSD(0.5)", "seq_kd")
+L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gkd.json"
+
+
+GATE = ("greedy", "pass_at_1", "pass_at_8")
+
+
+def gain_paths(*path):
+    return [(*path, "mean"), (*path, "ci95", 0), (*path, "ci95", 1)]
+
+
+# (lesson, record, the README row with {} where each figure stands, the figures' key paths under "summary", scale)
+EXPERIMENT_ROWS = [
+    ("02", L02, "| 02 | test exact match at 300 labels (5 seeds, 1000 test prompts): hard labels only / plus the "
+                "teacher's greedy answers to 4000 unlabelled prompts / distilled on them | {}% / {}% / {}% |",
+     [("labels=300", "exact_match", arm, "mean") for arm in ("labels", "teacher_labels", "distilled")], 100),
+    ("02", L02, "| 02 | distilled over hard labels only, 300 labels, points (95% interval over seeds and test prompts) "
+                "| {±}{} ({±}{} to {±}{}) |", gain_paths("labels=300", "distilled_over_labels"), 100),
+    ("02", L02, "| 02 | same, at 100 / 1000 labels | {±}{} / {±}{} |",
+     [("labels=100", "distilled_over_labels", "mean"), ("labels=1000", "distilled_over_labels", "mean")], 100),
+    ("02", L02, "| 02 | soft targets over the teacher's greedy answers as labels, 300 labels | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("labels=300", "soft_over_teacher_labels"), 100),
+    ("02", L02, "| 02 | test answers equal to the teacher's (fidelity), 300 labels: hard labels only / teacher's "
+                "answers / distilled | {}% / {}% / {}% |",
+     [("labels=300", "fidelity", arm, "mean") for arm in ("labels", "teacher_labels", "distilled")], 100),
+    ("08", L08, "| 08 | long family, test (5 seeds, 1000 prompts), greedy exact match: SFT student / RFT / GRPO "
+                "| {}% / {}% / {}% |", [("greedy", arm, "mean") for arm in ("sft", "rft", "grpo")], 100),
+    ("08", L08, "| 08 | same, sampled pass@1 at each policy's best validation temperature | {}% / {}% / {}% |",
+     [("sampled_pass_at_1", arm, "mean") for arm in ("sft", "rft", "grpo")], 100),
+    ("08", L08, "| 08 | GRPO over the SFT student, sampled pass@1 at the best temperature, points (95% interval) "
+                "| {±}{} ({±}{} to {±}{}) |", gain_paths("grpo_over_sft_sampled"), 100),
+    ("08", L08, "| 08 | same, greedy | {±}{} ({±}{} to {±}{}) |", gain_paths("grpo_over_sft_greedy"), 100),
+    ("08", L08, "| 08 | GRPO over RFT, sampled pass@1 | {±}{} ({±}{} to {±}{}) |", gain_paths("grpo_over_rft_sampled"), 100),
+    ("08", L08, "| 08 | pass@64 at temperature 1: SFT student / RFT / GRPO | {}% / {}% / {}% |",
+     [("pass_at_k", arm, "64") for arm in ("sft", "rft", "grpo")], 100),
+    ("11", L11, "| 11 | long family (5 seeds, 1000 test prompts), edit similarity on the longest third of answers: "
+                "offline / on-policy | {} / {} |",
+     [("edit_similarity_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 1),
+    ("11", L11, "| 11 | on-policy over offline, same (95% interval) | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("on_policy_over_offline_longest_third"), 1),
+    ("11", L11, "| 11 | same, exact match on all answers (the control), points | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("exact_match_control"), 100),
+    ("11", L11, "| 11 | free-running token error on the longest third: offline / on-policy | {}% / {}% |",
+     [("free_running_error_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11, "| 11 | share of those errors its own prefix caused: offline / on-policy | {}% / {}% |",
+     [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+]
 
 
 TUNIX = "tunix_compare.json"
@@ -94,17 +135,36 @@ def tunix_table_figures():
     return out
 
 
-def gkd_figures():
-    """Lesson 11's comparison rows: results/gkd.json, which the lesson writes (and a test ties to its table)."""
-    out = [Figure("11 SFT student exact match", "after 150 steps from the SFT student ({}%)", GKD,
-                  ("methods.SFT student (start).exact_match.all",), scale=100)]
-    for i, method in enumerate(GKD_METHODS):
-        cells = " / ".join(["{n}%"] * i + ["{}%"] + ["{n}%"] * (len(GKD_METHODS) - i - 1))
-        out.append(Figure(f"11 exact match, {method}", f"{GKD_ROW} {cells} |", GKD,
-                          (("methods", method, "exact_match", "all"),), scale=100))
-        out.append(Figure(f"11 exposure bias share, {method}", f"{GKD_BIAS_ROW} {cells} |", GKD,
-                          (("methods", method, "exposure_bias_share"),), scale=100))
+def experiment_figures():
+    """The multi-seed experiments' rows (lessons 02, 08, 11): their records' summaries in results/.
+
+    `{±}` in a row stands for the sign of the figure after it, read from the record: a
+    gain is printed "+30.1 (+27.0 to +33.2)", and the README's signs must be the stored ones
+    too (the figure's digits are compared as for every other figure, `combine="abs"`)."""
+    out = []
+    for lesson, source, row, paths, scale in EXPERIMENT_ROWS:
+        summary = json.loads((ROOT / "results" / source).read_text())["summary"]
+        signs = []
+        for path in paths:
+            value = summary
+            for key in path:
+                value = value[key]
+            signs.append("-" if value < 0 else "+")
+        for i, path in enumerate(paths):
+            out.append(Figure(f"{lesson} {'.'.join(map(str, path))}", signed_row(row, i, signs), source,
+                              (("summary", *path),), combine="abs", scale=scale))
     return out
+
+
+def signed_row(row: str, i: int, signs: list[str]) -> str:
+    """`row` as a registry template: slot i is the figure ({}), the others any number ({n}), and each
+    {±} before a slot is that slot's stored sign."""
+    parts, out = row.split("{}"), []
+    for j, part in enumerate(parts[:-1]):
+        out.append(part.replace("{±}", signs[j]) + ("{}" if j == i else "{n}"))
+    return "".join(out) + parts[-1]
+
+
 F = "figures."
 LORA = F + "lora_optimizer_state_share."  # the LoRA study's table and settings live with this figure
 P = F + "lora_step_time_ratio.thin_matmul_profile."
@@ -179,12 +239,6 @@ FIGURES = [
     *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
       for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10, N11)],
     # ------------------------------------------------------------ Results the lessons measure
-    nb("08 GRPO 8 devices vs 1", "vs jit on 1, largest parameter difference after 2 steps | {} |", N08, r"vs 1 after 2 GRPO steps: largest parameter difference {}"),
-    nb("08 greedy exact match, SFT", "the lesson shows why) | {}% →", N08, r"greedy, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
-    nb("08 greedy exact match, GRPO", "the lesson shows why) | {n}% → {}% |", N08, r"greedy, GRPO\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
-    nb("08 sampled exact match, SFT", "temperature 1 | {}% →", N08, r"8 samples at T=1, SFT\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
-    nb("08 sampled exact match, GRPO", "temperature 1 | {n}% → {}% |", N08, r"8 samples at T=1, GRPO\s+{n}%\s+{n}%\s+{n}%\s+{n}%\s+{}%"),
-    nb("08 GRPO steps", "SFT → {} GRPO steps", N08, r"{} steps"),
     nb("09 logits against transformers", "float32's bound 2.8e-4) | {} |", N09,
        r"largest difference {}, within {n} \(logits' std"),
     nb("09 SFT steps on the fixture", "random weights, {} SFT steps", N09, r"{} steps of 32 rows"),
@@ -209,7 +263,10 @@ FIGURES = [
        r"offline-distilled student\s+token error: right prefix {n}%, own prefix {}%"),
     nb("11 GKD 8 devices vs 1", "8 devices vs 1, largest parameter difference after 2 steps | {} |", N11,
        r"vs 1, steps \[.*\]: largest parameter difference {}"),
-    *gkd_figures(),
+    *experiment_figures(),
+    *[Figure(f"08 pilot gate {key}", "| 08 | the long student's pilot gate on the validation split: greedy / pass@1 / "
+             "pass@8 at temperature 1 | " + " / ".join("{}%" if k == key else "{n}%" for k in GATE) + " |", L08,
+             (("setup", "gate", key),), scale=100) for key in GATE],
     *tunix_table_figures(),
     Figure("tunix sft kit GFLOP", "XLA counts {} and {n} GFLOP per", TUNIX,
            (("figures", "sft", "1", "gradient_profile", "xla_cost", "kit", "flops"),), scale=1e-9),
@@ -240,12 +297,6 @@ FIGURES = [
        N02, r"teacher on the 200 eval prompts: exact match {}%"),
     nb("02 teacher eval loss", "eval exact match / eval loss | {n}% / {} |",
        N02, r"teacher on the 200 eval prompts: exact match {n}%, eval loss {}"),
-    nb("02 distilled student eval loss", "eval loss | {} vs {n} |", N02, r"distilled\s+eval loss {}"),
-    nb("02 hard-label student eval loss", "eval loss | {n} vs {} |", N02, r"hard labels\s+eval loss {}"),
-    nb("02 distilled student exact match", "| same, eval exact match | {}% vs {n}% |",
-       N02, r"distilled\s+eval loss {n}\s+exact match {}%"),
-    nb("02 hard-label student exact match", "| same, eval exact match | {n}% vs {}% |",
-       N02, r"hard labels\s+eval loss {n}\s+exact match {}%"),
     nb("03 pmap vs jit after 10 steps", "the check is float32's bound, 9.2e-5) | {} |", N03,
        r"8 devices vs 1 after 10 steps: {} of the distance travelled apart"),
     nb("03 per-device-mean trap", "| 03 | the per-device-mean trap, same comparison | {} |",
@@ -510,7 +561,7 @@ def stored(fig: Figure) -> tuple[float, str]:
         i, match = hits[0]
         values = [float(g.replace(",", "")) for g in match.groups()]
         where = f"notebooks/{fig.source}.ipynb, cell {i} (code cell [{cells[i]['execution_count']}])"
-    combine = {"one": lambda v: v[0] if len(v) == 1 else None, "max": max,
+    combine = {"one": lambda v: v[0] if len(v) == 1 else None, "max": max, "abs": lambda v: abs(v[0]),
                "ratio": lambda v: v[0] / v[1], "difference": lambda v: v[0] - v[1]}[fig.combine]
     value = combine(values)
     assert value is not None, f"{fig.name}: {len(values)} numbers read; say how to combine them"

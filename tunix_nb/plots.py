@@ -173,23 +173,6 @@ def plot_training(history, *, title: str, eval_key: str = "eval/exact_match"):
     return fig
 
 
-def plot_distillation_comparison(runs: dict, *, title: str, eval_key: str = "eval/loss"):
-    """Training loss and eval loss of several runs: {label: history from train.run}."""
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.2))
-    for label, history in runs.items():
-        ax_train.plot(*_curve(history, "loss"), label=label, alpha=0.8)
-        evals = [h for h in history if eval_key in h]
-        ax_eval.plot([h["step"] for h in evals], [h[eval_key] for h in evals], marker="o", label=label)
-    ax_train.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss (nats)",
-                 yscale="log")
-    ax_eval.set(title="eval loss: NLL of the correct answers", xlabel="step",
-                ylabel="NLL per answer token (nats)")
-    ax_eval.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 def plot_errors_by_position(models: dict, *, title: str):
     """Token error rate by position in the answer, teacher-forced against free-running.
 
@@ -204,26 +187,6 @@ def plot_errors_by_position(models: dict, *, title: str):
         ax.plot(k, 100 * errors["teacher_forced"], color=f"C{i}", ls="--", marker=".", label=f"{label}: right prefix")
     ax.set(title=title, xlabel="position in the answer (0 = first token)", ylabel="token error (%)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_method_comparison(table: dict, *, title: str, tasks):
-    """Held-out exact match and eval loss per sub-task, one bar per method.
-
-    `table`: {method: {"exact_match": {task: fraction, ..., "all": ...}, "eval_loss": {...}}}.
-    """
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
-    columns = [*tasks, "all"]
-    width = 0.8 / len(table)
-    for ax, key, scale, label in ((axes[0], "exact_match", 100, "held-out exact match (%)"),
-                                  (axes[1], "eval_loss", 1, "eval loss (nats per answer token)")):
-        for i, (method, row) in enumerate(table.items()):
-            ax.bar(np.arange(len(columns)) + (i - (len(table) - 1) / 2) * width,
-                   [scale * row[key][c] for c in columns], width, label=method)
-        ax.set(xticks=np.arange(len(columns)), xticklabels=columns, ylabel=label)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

@@ -5,6 +5,7 @@ prompts, pass@k, edit similarity); `runner` runs an experiment's arms over seeds
 stores the record; each experiment is a module of its own, named for what it asks:
 
 - `scarce_labels` (lesson 02): distillation when labels are scarce and prompts are free;
+- `long_family` (lessons 08 and 11): the long task family's splits, checkpoints and pilot gate;
 - `grpo_pass_at_k` (lesson 08): GRPO turning pass@k into pass@1 on long answers;
 - `gkd_long_answers` (lesson 11): on-policy distillation where errors compound.
 
@@ -12,4 +13,5 @@ stores the record; each experiment is a module of its own, named for what it ask
 stored run; the lessons read it and rerun fewer seeds live.
 """
 
-EXPERIMENTS = {"lesson02_distillation": "scarce_labels"}
+EXPERIMENTS = {"lesson02_distillation": "scarce_labels", "lesson08_grpo": "grpo_pass_at_k",
+               "lesson11_gkd": "gkd_long_answers"}

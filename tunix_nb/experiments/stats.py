@@ -51,6 +51,15 @@ def mean_interval(scores_SxN, *, seed: int = 0, n_bootstrap: int = N_BOOTSTRAP) 
     return paired_gain(scores_SxN, np.zeros_like(scores_SxN), seed=seed, n_bootstrap=n_bootstrap)
 
 
+def describe_gain(gain: dict, *, scale: float = 100, decimals: int = 1, unit: str = "points") -> str:
+    """A gain as the lessons quote it: "+30.1 points (95% interval +27.0 to +33.2)".
+
+    `scale` 100 turns a share into points; the lessons' prose and the README print this
+    string, and a test checks that what they quote is what the stored record gives."""
+    f = lambda x: f"{scale * x:+.{decimals}f}"  # noqa: E731
+    return f"{f(gain['mean'])} {unit} (95% interval {f(gain['ci95'][0])} to {f(gain['ci95'][1])})".replace("  ", " ")
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one prompt from n samples of which c are right (Chen et al.,
     2021): 1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement

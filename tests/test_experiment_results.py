@@ -1,0 +1,164 @@
+"""The stored multi-seed runs the lessons and the README quote hold what they claim.
+
+Each record in results/ was made by the command it stores; these tests read it back and
+assert the issue's targets: a gain's mean, and its 95% interval's lower bound above
+zero, over at least five seeds and 1000 test prompts never used for a choice. A target
+the stored run misses is marked xfail (strict) with what it measured and why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tunix_nb.experiments import gkd_long_answers, grpo_pass_at_k, scarce_labels, stats
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+SIMILARITY = dict(scale=1, decimals=4, unit="")
+# (lesson, record, the gain's key path in the summary, how the lesson prints it): every gain a
+# lesson's prose quotes, as `stats.describe_gain` prints it
+QUOTED_GAINS = [
+    ("02_distilling_a_student", "lesson02_distillation", (scarce_labels.HEADLINE, "distilled_over_labels"), {}),
+    ("02_distilling_a_student", "lesson02_distillation", (scarce_labels.HEADLINE, "soft_over_teacher_labels"), {}),
+    ("08_grpo", "lesson08_grpo", ("grpo_over_sft_sampled",), {}),
+    ("08_grpo", "lesson08_grpo", ("grpo_over_sft_greedy",), {}),
+    ("08_grpo", "lesson08_grpo", ("grpo_over_rft_sampled",), {}),
+    ("11_on_policy_distillation", "lesson11_gkd", ("on_policy_over_offline_longest_third",), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd", ("exact_match_control",), {}),
+]
+
+
+def record(name):
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def lesson02():
+    rec = record("lesson02_distillation")
+    return rec, scarce_labels.summarise(rec)
+
+
+@pytest.fixture(scope="module")
+def lesson08():
+    rec = record("lesson08_grpo")
+    return rec, grpo_pass_at_k.summarise(rec)
+
+
+@pytest.fixture(scope="module")
+def lesson11():
+    rec = record("lesson11_gkd")
+    return rec, gkd_long_answers.summarise(rec)
+
+
+@pytest.mark.parametrize("name, command", [
+    ("lesson02_distillation", "python -m tunix_nb.experiments lesson02_distillation --seeds 5"),
+    ("lesson08_grpo", "python -m tunix_nb.experiments lesson08_grpo --seeds 5"),
+    ("lesson11_gkd", "python -m tunix_nb.experiments lesson11_gkd --seeds 5"),
+])
+def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name, command):
+    rec = record(name)
+    assert rec["command"].startswith(command) and rec["seeds"] == [0, 1, 2, 3, 4]
+    for setting in rec["runs"].values():
+        for runs in setting.values():
+            assert len(runs) == 5 and {len(r["scores"]) for r in runs} == {1000}
+
+
+def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11):
+    """The summary written beside the runs is recomputed from them, not edited."""
+    for rec, summary in (lesson02, lesson08, lesson11):
+        assert json.loads(json.dumps(summary)) == rec["summary"]
+
+
+def test_lesson02_distillation_beats_hard_labels_by_10_points(lesson02):
+    gain = lesson02[1][scarce_labels.HEADLINE]["distilled_over_labels"]
+    assert gain["mean"] >= 0.10 and gain["ci95"][0] > 0
+
+
+def test_lesson02_reports_soft_targets_against_teacher_labels_with_an_interval(lesson02):
+    for setting in lesson02[1].values():
+        gain = setting["soft_over_teacher_labels"]
+        assert gain["ci95"][0] <= gain["mean"] <= gain["ci95"][1]
+
+
+def test_lesson02_picked_every_reporting_step_on_validation(lesson02):
+    rec, _ = lesson02
+    for setting in rec["runs"].values():
+        for runs in setting.values():
+            for run in runs:
+                best = max(run["curve"], key=lambda c: c["val_exact_match"])
+                assert run["chosen_step"] == best["step"]
+
+
+def test_lesson08_grpo_beats_the_sft_policy_at_its_best_temperature_by_10_points(lesson08):
+    gain = lesson08[1]["grpo_over_sft_sampled"]
+    assert gain["mean"] >= 0.10 and gain["ci95"][0] > 0
+
+
+def test_lesson08_grpo_beats_the_sft_policy_greedy_by_3_points(lesson08):
+    gain = lesson08[1]["grpo_over_sft_greedy"]
+    assert gain["mean"] >= 0.03 and gain["ci95"][0] > 0
+
+
+def test_lesson08_temperatures_were_chosen_on_validation(lesson08):
+    rec, _ = lesson08
+    for runs in rec["runs"]["long"].values():
+        for run in runs:
+            scores = run["validation_pass_at_1"]
+            assert run["best_temperature"] == float(max(scores, key=scores.get))
+
+
+@pytest.mark.xfail(strict=True, reason="missed: pass@8 is 19.2 points above greedy, not 20 (pass@1 35.2% is inside "
+                   "30-70%); no checkpoint of the student's recipe between steps 240 and 400 met both parts "
+                   "(data/README.md)")
+def test_lesson08_the_student_passes_the_pilot_gate(lesson08):
+    gate = lesson08[0]["setup"]["gate"]
+    assert 0.30 <= gate["pass_at_1"] <= 0.70
+    assert gate["pass_at_8"] - gate["greedy"] >= 0.20
+
+
+@pytest.mark.xfail(strict=True, reason="missed: on-policy - offline edit similarity on the longest third is -0.0032 "
+                   "(95% interval -0.0088 to +0.0023) over 5 seeds; on-policy training lowers the share of errors the "
+                   "student's own prefix causes, but raises its errors after the right prefix as much (lesson 11)")
+def test_lesson11_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(lesson11):
+    gain = lesson11[1]["on_policy_over_offline_longest_third"]
+    assert gain["mean"] > 0 and gain["ci95"][0] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="missed: the share falls from 57% (offline) to 43% (on-policy), "
+                   "lower on every seed but not half")
+def test_lesson11_on_policy_halves_the_share_of_errors_its_own_prefix_causes(lesson11):
+    share = lesson11[1]["own_prefix_share_longest_third"]
+    assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
+
+
+def test_lesson11_on_policy_lowers_the_share_of_errors_its_own_prefix_causes_on_every_seed(lesson11):
+    """What on-policy training is for, as measured: lower on each seed, paired."""
+    share = lesson11[1]["own_prefix_share_longest_third"]
+    assert all(on < off for on, off in zip(share["on_policy"]["per_seed"], share["offline"]["per_seed"]))
+
+
+def markdown(notebook: str) -> str:
+    cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("notebook, name, path, style", QUOTED_GAINS,
+                         ids=[f"{nb[:2]}-{'.'.join(path)}" for nb, _, path, _ in QUOTED_GAINS])
+def test_the_lessons_prose_quotes_the_stored_gains(notebook, name, path, style):
+    gain = record(name)["summary"]
+    for key in path:
+        gain = gain[key]
+    quoted = stats.describe_gain(gain, **style)
+    assert " ".join(quoted.split()) in " ".join(markdown(notebook).split()), (
+        f"notebooks/{notebook}.ipynb's prose should quote {quoted!r} (results/{name}.json)")
+
+
+def test_the_datasheet_quotes_the_stored_pilot_gate():
+    gate = record("lesson08_grpo")["setup"]["gate"]
+    sheet = " ".join((ROOT / "data" / "README.md").read_text().split())
+    assert (f"greedy {gate['greedy']:.1%}, sampled pass@1 {gate['pass_at_1']:.1%}" in sheet
+            and f"pass@8 {gate['pass_at_8']:.1%}, {100 * (gate['pass_at_8'] - gate['greedy']):.1f} points above greedy"
+            in sheet), "data/README.md's long_student row should quote the gate in results/lesson08_grpo.json"

@@ -1,0 +1,57 @@
+"""`python -m tunix_nb.experiments <experiment> --seeds N --out FILE`: run every arm over N seeds.
+
+`python -m tunix_nb.experiments checkpoints --out data` remakes the long family's two
+shipped checkpoints (`long_family.STUDENT` and `TEACHER`, into data/long_student and
+data/long_teacher) and prints the student's pilot gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from tunix_nb.experiments import EXPERIMENTS
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tunix_nb.experiments", description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "checkpoints"],
+                        help="which lesson's experiment to run, or `checkpoints` to remake the long family's")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 ... N-1 (initialisation and data order)")
+    parser.add_argument("--out", required=True, help="the JSON record to write (e.g. results/<experiment>.json); "
+                        "for `checkpoints`, the folder that gets long_student/ and long_teacher/")
+    args = parser.parse_args(argv)
+    if args.seeds < 2:
+        parser.error(f"--seeds {args.seeds}: an interval over seeds needs at least 2")
+    from tunix_nb import devices
+
+    devices.use_compile_cache()
+    if args.experiment == "checkpoints":
+        return remake_checkpoints(Path(args.out))
+    from tunix_nb.experiments import runner
+
+    module = importlib.import_module(f"tunix_nb.experiments.{EXPERIMENTS[args.experiment]}")
+    record = runner.run_experiment(module, module.CONFIG_CLASS(), range(args.seeds), command=runner.command_line(),
+                                   progress=lambda line: print(line, file=sys.stderr, flush=True),
+                                   partial=f"{args.out}.partial")
+    record["summary"] = module.summarise(record)
+    print(f"wrote {runner.save(record, args.out)}")
+    Path(f"{args.out}.partial").unlink(missing_ok=True)
+    return 0
+
+
+def remake_checkpoints(out: Path) -> int:
+    from tunix_nb import checkpoint
+    from tunix_nb.experiments import long_family
+
+    for recipe, name in ((long_family.TEACHER, "long_teacher"), (long_family.STUDENT, "long_student")):
+        print(f"{name}: {long_family.train_checkpoint(recipe, out / name)}", flush=True)
+    graphdef, params, _ = checkpoint.load_model(out / "long_student")
+    print(f"long_student's pilot gate on the validation split: {long_family.gate(graphdef, params)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Lesson 11's experiment: on-policy distillation where errors compound, on long answers.
+
+Offline distillation trains the student on right prefixes only; at inference it continues
+its own, and an early slip can derail the rest (exposure bias; the DAgger bound, Ross &
+Bagnell 2010: O(T^2 eps) against O(T eps) for on-policy training, a prediction for long
+answers, not a measured law). Arms from the same student (the shipped long-family one),
+with the same teacher, the same divergence and the same number of teacher forward passes
+over rows of the same length (`data.LONG_SEQ_LEN`):
+
+- `offline`: the dataset's answers (lesson 02's distillation, the divergence alone);
+- `on_policy`: the student's own samples every step (GKD with lmbda = 1).
+
+Both train on the generalized JSD (beta 0.5) alone (alpha 1): on-policy rows carry no
+right answer, so the offline arm gets no cross-entropy either.
+
+Scored on the test split by edit similarity (it sees errors made after the student's own
+wrong prefix, which exact match cannot), exact match as a control, and by answer length;
+the share of token errors caused by the student's own prefix (`evaluate.errors_by_position`,
+free-running minus teacher-forced) on the longest third.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+NAME = "lesson11_gkd"
+ARMS = ("offline", "on_policy")
+HEADLINE = "long"
+
+
+@dataclasses.dataclass(frozen=True)
+class GkdLongConfig:
+    steps: int = 200
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    beta: float = 0.5  # the generalized JSD, for both arms
+    alpha: float = 1.0  # the divergence alone on every row: no cross-entropy on the dataset's answers
+    temperature: float = 1.0
+
+
+CONFIG_CLASS = GkdLongConfig
+
+
+def settings(config: GkdLongConfig) -> list[str]:
+    return [HEADLINE]
+
+
+def prepare(config: GkdLongConfig) -> dict:
+    from tunix_nb.experiments import long_family
+
+    parts = long_family.splits()
+    return {**parts, "student": long_family.load("student"), "teacher": long_family.load("teacher")}
+
+
+def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
+    from tunix_nb import data, distill, gkd, train
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    graphdef, start = shared["student"]
+    teacher_graphdef, teacher = shared["teacher"]
+    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=10,
+                                                     total_steps=config.steps))
+    objective = distill.objective(graphdef, teacher_graphdef, beta=config.beta, alpha=config.alpha)
+    step_fn = train.make_step(objective, opt)
+    examples = shared["teacher_train"]
+    if arm == "offline":
+        rows = data.sft_arrays(examples, ByteTokenizer(), data.LONG_SEQ_LEN)
+        return train.run(step_fn, start, opt.init(start), lambda s: data.batch_at(rows, s, config.batch_size, seed=seed),
+                         steps=config.steps, frozen=teacher, progress=False)[0]
+    batches = gkd.make_batches(graphdef, teacher_graphdef, examples, batch_size=config.batch_size, seed=seed, lmbda=1.0,
+                               temperature=config.temperature, max_new_tokens=data.LONG_MAX_NEW_TOKENS,
+                               seq_len=data.LONG_SEQ_LEN, prompt_len=data.LONG_PROMPT_LEN)
+    return train.run_on_policy(step_fn, start, opt.init(start), batches, steps=config.steps, frozen=teacher,
+                               progress=False)[0]
+
+
+def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: str = HEADLINE) -> dict:
+    from tunix_nb import data, evaluate
+    from tunix_nb.experiments import long_family, stats
+
+    graphdef, _ = shared["student"]
+    params = train_student(arm, seed, config, shared)
+    test = shared["test"]
+    answers = evaluate.generate_answers(graphdef, params, [e["prompt"] for e in test], **long_family.LENGTHS)
+    longest = longest_third(test)
+    errors = evaluate.errors_by_position(graphdef, params, [e for e, x in zip(test, longest) if x],
+                                         seq_len=data.LONG_SEQ_LEN, **long_family.LENGTHS)
+    return {"scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
+            "exact_match": [float(a == e["completion"]) for a, e in zip(answers, test)],
+            "answer_length": [len(e["completion"]) for e in test],
+            "own_prefix_share": own_prefix_share(errors), "free_running_error": token_error(errors, "free_running"),
+            "teacher_forced_error": token_error(errors, "teacher_forced")}
+
+
+def longest_third(examples) -> np.ndarray:
+    """[N] bool: the answers in the top third of lengths (the longest, where errors compound most)."""
+    lengths = np.array([len(e["completion"]) for e in examples])
+    return lengths >= np.quantile(lengths, 2 / 3)
+
+
+def token_error(errors: dict, key: str) -> float:
+    """The error rate over every answer token (`errors_by_position`'s rates, weighted by rows)."""
+    w = errors["rows"]
+    return float((errors[key] * w).sum() / w.sum())
+
+
+def own_prefix_share(errors: dict) -> float:
+    """The share of free-running token errors that the model's own earlier tokens caused:
+    (free-running - teacher-forced) / free-running, over every answer token."""
+    w = errors["rows"]
+    free, forced = (errors["free_running"] * w).sum(), (errors["teacher_forced"] * w).sum()
+    return float((free - forced) / free) if free > 0 else 0.0
+
+
+def summarise(record: dict) -> dict:
+    from tunix_nb.experiments import stats
+
+    runs = record["runs"][HEADLINE]
+    long = np.array(runs["offline"][0]["answer_length"]) >= np.quantile(runs["offline"][0]["answer_length"], 2 / 3)
+    pick = lambda arm, key, mask=slice(None): [np.asarray(r[key])[mask] for r in runs[arm]]  # noqa: E731
+    shares = {arm: [r["own_prefix_share"] for r in runs[arm]] for arm in runs}
+    return {
+        "edit_similarity_longest_third": {arm: stats.mean_interval(pick(arm, "scores", long)) for arm in runs},
+        "on_policy_over_offline_longest_third": stats.paired_gain(pick("on_policy", "scores", long),
+                                                                   pick("offline", "scores", long)),
+        "on_policy_over_offline_all": stats.paired_gain(pick("on_policy", "scores"), pick("offline", "scores")),
+        "exact_match_control": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
+        "own_prefix_share_longest_third": {arm: {"mean": float(np.mean(v)), "per_seed": v} for arm, v in shares.items()},
+        "free_running_error_longest_third": {arm: {"mean": float(np.mean([r["free_running_error"] for r in runs[arm]])),
+                                                   "per_seed": [r["free_running_error"] for r in runs[arm]]}
+                                             for arm in runs},
+        "teacher_forced_error_longest_third": {arm: float(np.mean([r["teacher_forced_error"] for r in runs[arm]]))
+                                               for arm in runs},
+    }
