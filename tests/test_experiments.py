@@ -91,3 +91,48 @@ def test_describe_gain_prints_the_mean_and_interval_in_points():
     gain = {"mean": 0.30125, "ci95": [0.27, -0.0149]}
     assert stats.describe_gain(gain) == "+30.1 points (95% interval +27.0 to -1.5)"
     assert stats.describe_gain(gain, scale=1, decimals=4, unit="") == "+0.3013 (95% interval +0.2700 to -0.0149)"
+
+
+class _CountingExperiment:
+    """A stand-in experiment: one setting, two arms, scores from the seed; counts its runs."""
+
+    NAME, ARMS = "counting", ("a", "b")
+
+    def __init__(self, fail_after=None):
+        self.calls, self.fail_after = 0, fail_after
+
+    def prepare(self, config):
+        return {"record": {"prepared": True}}
+
+    def settings(self, config):
+        return ["only"]
+
+    def run_arm(self, arm, seed, config, shared, setting):
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise KeyboardInterrupt("stopped")
+        self.calls += 1
+        return {"scores": [float(seed), float(arm == "a")]}
+
+
+def test_an_interrupted_experiment_resumes_from_its_partial_record(tmp_path):
+    import dataclasses
+
+    from tunix_nb.experiments import runner
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        steps: int = 3
+
+    partial = tmp_path / "x.json.partial"
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_experiment(_CountingExperiment(fail_after=3), Config(), range(2), command="c", partial=partial)
+    resumed = _CountingExperiment()
+    record = runner.run_experiment(resumed, Config(), range(2), command="c", partial=partial)
+    assert resumed.calls == 1  # three runs were stored before the stop; only the fourth runs again
+    whole = runner.run_experiment(_CountingExperiment(), Config(), range(2), command="c")
+    strip = lambda rec: {s: {a: [{k: v for k, v in r.items() if k != "seconds"} for r in runs]  # noqa: E731
+                             for a, runs in arms.items()} for s, arms in rec["runs"].items()}
+    assert strip(record) == strip(whole) and record["setup"] == {"prepared": True}
+    changed = _CountingExperiment()  # another config: nothing is reused
+    runner.run_experiment(changed, Config(steps=4), range(2), command="c", partial=partial)
+    assert changed.calls == 4
