@@ -126,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         epilog="Resume an interrupted run by repeating its command: it continues from the newest "
                "checkpoint in --ckpt-dir.")
+    for add_flags in (_add_method_flags, _add_grpo_flags, _add_gkd_flags, _add_peft_flags, _add_training_flags,
+                      _add_process_flags):
+        add_flags(parser)
+    return parser
+
+
+def _add_method_flags(parser: argparse.ArgumentParser) -> None:
+    """The command, the models, and the DPO flags."""
     parser.add_argument("command", choices=COMMANDS,
                         help="what to train: sft (supervised fine-tuning), distill (from a teacher), "
                              "dpo (preference pairs, from an SFT checkpoint) or grpo (reinforcement "
@@ -147,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dpo: weight of an SFT term on the chosen answers (RPO) (default: 0)")
     parser.add_argument("--length-normalize", action="store_true", default=None,
                         help="dpo: compare per-token mean log-probs instead of sums (what IPO wants)")
+
+
+def _add_grpo_flags(parser: argparse.ArgumentParser) -> None:
+    """GRPO's flags."""
     grpo = parser.add_argument_group(
         "grpo", "group relative policy optimisation: each step samples --group-size completions for each "
         "of --batch-size prompts, scores them, and updates --num-iterations times on them")
@@ -175,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--rewards",
                       help=f"comma-separated reward functions, summed: {', '.join(REWARD_NAMES)} "
                            f"(default: {GRPO_DEFAULTS['rewards']})")
+
+
+def _add_gkd_flags(parser: argparse.ArgumentParser) -> None:
+    """On-policy distillation's flags."""
     gkd = parser.add_argument_group(
         "on-policy distillation (distill; GKD, as TRL's GKDTrainer)", "batches whose completions the student "
         "samples itself (--temperature, --max-new-tokens), scored by the teacher with --beta's divergence")
@@ -182,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share of steps whose batch the student samples, in [0, 1] (default: 0, offline)")
     gkd.add_argument("--seq-kd", action="store_true", default=None,
                      help="the other steps train on the teacher's greedy answers instead of the dataset's")
+
+
+def _add_peft_flags(parser: argparse.ArgumentParser) -> None:
+    """LoRA and QLoRA's flags."""
     peft = parser.add_argument_group(
         "LoRA / QLoRA (sft, dpo, grpo): train low-rank adapters on a frozen base; checkpoints hold the "
         "adapters and their optimizer state, --export-params the merged model")
@@ -193,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                       f"(default: {LORA_DEFAULT_TARGETS.replace('%', '%%')}, every projection)")
     peft.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                       help="store the frozen base quantised: nf4 is QLoRA (default: none)")
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """The optimizer, the loop, checkpoints and devices."""
     parser.add_argument("--steps", type=_positive_int, default=300,
                         help="total training steps (grpo: rollouts, each followed by --num-iterations updates)")
     parser.add_argument("--batch-size", type=_positive_int, default=64,
@@ -226,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="jit: one device; pmap: data parallel, replicated state; shard_map: the pmap "
                              "step on a Mesh; dp: jit with a batch-sharded NamedSharding; fsdp: dp with "
                              "params and optimizer state sharded too. Checkpoints restore under any of them")
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """Several processes, metrics and export."""
     group = parser.add_argument_group(
         "several processes", "one process per host (python -m tunix_nb.launch starts them on one machine); "
         "needs --parallel dp, fsdp or shard_map")
@@ -240,7 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds after which a silent process counts as dead and the others stop")
     parser.add_argument("--metrics-file", help="write one JSON line per step (step, loss, ...)")
     parser.add_argument("--export-params", help="at the end, also write a params-only checkpoint here")
-    return parser
 
 
 def _check_flags(parser, args) -> None:
