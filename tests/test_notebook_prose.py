@@ -40,8 +40,9 @@ FIGURE = re.compile(r"(?<![\w.\-/§:])(\d{1,3}(?:,\d{3})+|\d+\.\d+(?:e[-+]?\d+)?
                     r"|\d+(?:\.\d+)?(?=\s?%)|\d+(?:\.\d+)?(?=\s?[x×](?!\w)))(\s?(?:%|[x×]|[kMB]\b|[KMG]i?B\b)?)")
 NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|\$\$.*?\$\$|\$[^$\n]*\$|\]\([^)]*\)|<[^>\n]+>", re.S)
 PRINTED = re.compile(r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
-UNIT_SCALES = {"%": (1, 100), "k": (1e-3,), "M": (1e-6,), "B": (1e-9,), "KB": (1e-3,), "MB": (1e-6,), "GB": (1e-9,),
-               "KiB": (2 ** -10,), "MiB": (2 ** -20,), "GiB": (2 ** -30,)}
+# a figure with a unit matches a printed number in that unit, or in ones (bytes, parameters)
+UNIT_SCALES = {"%": (1, 100), "k": (1, 1e-3), "M": (1, 1e-6), "B": (1, 1e-9), "KB": (1, 1e-3), "MB": (1, 1e-6),
+               "GB": (1, 1e-9), "KiB": (1, 2 ** -10), "MiB": (1, 2 ** -20), "GiB": (1, 2 ** -30)}
 
 # notebook -> the parts of results/ its prose quotes (a file, or a file and a key path)
 QUOTES_RESULTS = {
