@@ -136,3 +136,17 @@ def test_an_interrupted_experiment_resumes_from_its_partial_record(tmp_path):
     changed = _CountingExperiment()  # another config: nothing is reused
     runner.run_experiment(changed, Config(steps=4), range(2), command="c", partial=partial)
     assert changed.calls == 4
+
+
+def test_set_changes_one_config_field_by_its_type_and_names_the_fields_when_wrong():
+    from tunix_nb.experiments.__main__ import configured
+    from tunix_nb.experiments.gkd_long_answers import GkdLongConfig
+
+    config = configured(GkdLongConfig, ["lmbda=0.5", "steps=400", "eval_split=validation"])
+    assert (config.lmbda, config.steps, config.eval_split) == (0.5, 400, "validation")
+    with pytest.raises(ValueError, match="one of steps, batch_size"):
+        configured(GkdLongConfig, ["lambda=0.5"])
+    with pytest.raises(ValueError, match="steps must be int"):
+        configured(GkdLongConfig, ["steps=many"])
+    with pytest.raises(ValueError, match="'test' .* or 'validation'"):
+        configured(GkdLongConfig, ["eval_split=train"])

@@ -1,5 +1,9 @@
 """`python -m tunix_nb.experiments <experiment> --seeds N --out FILE`: run every arm over N seeds.
 
+`--set FIELD=VALUE` (repeatable) changes one field of the experiment's config, e.g. a pilot
+of another design on the validation split: `python -m tunix_nb.experiments lesson11_gkd
+--seeds 2 --set lmbda=0.5 --set eval_split=validation --out results/lesson11_pilots/mixed.json`.
+
 `python -m tunix_nb.experiments checkpoints --out data` remakes the long family's two
 shipped checkpoints (`long_family.STUDENT` and `TEACHER`, into data/long_student and
 data/long_teacher) and prints the student's pilot gate.
@@ -8,6 +12,7 @@ data/long_teacher) and prints the student's pilot gate.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -22,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 ... N-1 (initialisation and data order)")
     parser.add_argument("--out", required=True, help="the JSON record to write (e.g. results/<experiment>.json); "
                         "for `checkpoints`, the folder that gets long_student/ and long_teacher/")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="change one field of the experiment's config (repeatable)")
     args = parser.parse_args(argv)
     if args.seeds < 2:
         parser.error(f"--seeds {args.seeds}: an interval over seeds needs at least 2")
@@ -33,13 +40,33 @@ def main(argv=None) -> int:
     from tunix_nb.experiments import runner
 
     module = importlib.import_module(f"tunix_nb.experiments.{EXPERIMENTS[args.experiment]}")
-    record = runner.run_experiment(module, module.CONFIG_CLASS(), range(args.seeds), command=runner.command_line(),
+    try:
+        config = configured(module.CONFIG_CLASS, args.set)
+    except ValueError as err:
+        parser.error(str(err))
+    record = runner.run_experiment(module, config, range(args.seeds), command=runner.command_line(),
                                    progress=lambda line: print(line, file=sys.stderr, flush=True),
                                    partial=f"{args.out}.partial")
     record["summary"] = module.summarise(record)
     print(f"wrote {runner.save(record, args.out)}")
     Path(f"{args.out}.partial").unlink(missing_ok=True)
     return 0
+
+
+def configured(config_class, assignments: list[str]):
+    """`config_class()` with each "FIELD=VALUE" applied, VALUE read as the field's type."""
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    changes = {}
+    for text in assignments:
+        name, sep, value = text.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--set {text}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        kind = type(getattr(config_class(), name))
+        try:
+            changes[name] = kind(value)
+        except ValueError:
+            raise ValueError(f"--set {text}: {name} must be {kind.__name__}, got {value!r}") from None
+    return config_class(**changes)
 
 
 def remake_checkpoints(out: Path) -> int:

@@ -37,7 +37,13 @@ class GkdLongConfig:
     learning_rate: float = 1e-3
     beta: float = 0.5  # the generalized JSD, for both arms
     alpha: float = 1.0  # the divergence alone on every row: no cross-entropy on the dataset's answers
-    temperature: float = 1.0
+    temperature: float = 1.0  # the on-policy arm's sampling temperature
+    lmbda: float = 1.0  # the on-policy arm's share of steps on the student's own samples (TRL's lmbda)
+    eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
+
+    def __post_init__(self):
+        if self.eval_split not in ("test", "validation"):
+            raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
 
 
 CONFIG_CLASS = GkdLongConfig
@@ -69,7 +75,8 @@ def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
         rows = data.sft_arrays(examples, ByteTokenizer(), data.LONG_SEQ_LEN)
         return train.run(step_fn, start, opt.init(start), lambda s: data.batch_at(rows, s, config.batch_size, seed=seed),
                          steps=config.steps, frozen=teacher, progress=False)[0]
-    batches = gkd.make_batches(graphdef, teacher_graphdef, examples, batch_size=config.batch_size, seed=seed, lmbda=1.0,
+    batches = gkd.make_batches(graphdef, teacher_graphdef, examples, batch_size=config.batch_size, seed=seed,
+                               lmbda=config.lmbda,
                                temperature=config.temperature, max_new_tokens=data.LONG_MAX_NEW_TOKENS,
                                seq_len=data.LONG_SEQ_LEN, prompt_len=data.LONG_PROMPT_LEN)
     return train.run_on_policy(step_fn, start, opt.init(start), batches, steps=config.steps, frozen=teacher,
@@ -82,7 +89,7 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
 
     graphdef, _ = shared["student"]
     params = train_student(arm, seed, config, shared)
-    test = shared["test"]
+    test = shared[config.eval_split]
     answers = evaluate.generate_answers(graphdef, params, [e["prompt"] for e in test], **long_family.LENGTHS)
     longest = longest_third(test)
     errors = evaluate.errors_by_position(graphdef, params, [e for e, x in zip(test, longest) if x],
