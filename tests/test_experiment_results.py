@@ -162,3 +162,25 @@ def test_the_datasheet_quotes_the_stored_pilot_gate():
     assert (f"greedy {gate['greedy']:.1%}, sampled pass@1 {gate['pass_at_1']:.1%}" in sheet
             and f"pass@8 {gate['pass_at_8']:.1%}, {100 * (gate['pass_at_8'] - gate['greedy']):.1f} points above greedy"
             in sheet), "data/README.md's long_student row should quote the gate in results/lesson08_grpo.json"
+
+
+PILOTS = sorted((RESULTS / "lesson11_pilots").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", PILOTS, ids=[p.stem for p in PILOTS])
+def test_lesson11_pilots_were_scored_on_validation_with_their_command_and_are_what_the_lesson_says(path):
+    pilot = json.loads(path.read_text())
+    assert pilot["config"]["eval_split"] == "validation", f"{path.name}: a design is tried on validation, never on test"
+    assert "--set eval_split=validation" in pilot["command"] and f"--out results/lesson11_pilots/{path.name}" in pilot[
+        "command"], f"{path.name} should store the command that made it"
+    found = gkd_long_answers.summarise(pilot)
+    assert found == json.loads(json.dumps(pilot["summary"]))
+    # lesson 11: every variant lowered the own-prefix share, none beat offline (interval over zero, mean below)
+    shares = found["own_prefix_share_longest_third"]
+    assert shares["on_policy"]["mean"] < shares["offline"]["mean"]
+    gain = found["on_policy_over_offline_longest_third"]
+    assert gain["ci95"][0] < 0 < gain["ci95"][1] and gain["mean"] < 0
+
+
+def test_there_are_lesson11_pilots():
+    assert len(PILOTS) >= 3

@@ -136,3 +136,13 @@ def array_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"Unknown HLO element type {dtype!r}; known: {sorted(DTYPE_BYTES)}.")
     return DTYPE_BYTES[dtype] * math.prod(shape)
+
+
+def predicted_allreduce_share(grad_bytes: float, n_devices: int, bytes_per_s: float, compute_seconds: float) -> float:
+    """The gradient all-reduce's share of a data-parallel step, t_comm / (t_compute + t_comm),
+    if it sends its ring bytes at `bytes_per_s` after the compute, not during it (lesson 03).
+    A lower bound on a real step's: it leaves out each collective's fixed cost."""
+    if bytes_per_s <= 0 or compute_seconds < 0:
+        raise ValueError(f"bytes_per_s must be > 0 and compute_seconds >= 0; got {bytes_per_s}, {compute_seconds}.")
+    comm_seconds = all_reduce_bytes(grad_bytes, n_devices) / bytes_per_s
+    return comm_seconds / (compute_seconds + comm_seconds) if comm_seconds else 0.0  # one device: none
