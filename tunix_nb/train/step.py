@@ -75,20 +75,12 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
     summing loss sums, weights and gradients and dividing once: the whole batch's update,
     with the activations of one micro-batch at a time.
     """
-    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}.")
-    if parallel_mode not in PARALLEL_MODES:
-        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
-    if not all_reduce and parallel_mode in ("dp", "fsdp"):
-        raise ValueError(f"all_reduce=False needs per-device code (pmap or shard_map); under {parallel_mode!r} "
-                         "the step sees the global batch and XLA inserts the collectives.")
+    _check_step_options(parallel_mode, all_reduce, grad_accum)
     axis = {"pmap": parallel.DEVICE_AXIS, "shard_map": parallel.MESH_AXIS}.get(parallel_mode)
     if parallel_mode in parallel.MESH_MODES and mesh is None:
         mesh = parallel.make_mesh()
-    gather = None
-    if parallel_mode == "fsdp":  # the state is stored split; the forward/backward pass needs it whole
-        whole = parallel.replicated(mesh)
-        gather = lambda tree: lax.with_sharding_constraint(tree, whole)  # noqa: E731
+    # fsdp: the state is stored split; the forward/backward pass needs it whole
+    gather = _gather_whole(mesh) if parallel_mode == "fsdp" else None
 
     def all_reduce_sum(tree):  # per-device code sums over devices; jit on a mesh sees it whole
         return lax.psum(tree, axis) if axis is not None and all_reduce else tree
@@ -130,8 +122,7 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
                                                               has_aux=True)
             check_terms(loss_sums, weights)
             # one gradient per term: the terms' global weights are known only after the scan
-            grads = {k: pullback({j: jnp.ones_like(v) if j == k else jnp.zeros_like(v)
-                                  for j, v in loss_sums.items()})[0] for k in loss_sums}
+            grads = _per_term_grads(pullback, loss_sums)
             return loss_sums, weights, grads, *split_metric_sums(metrics)
 
         def add(total, micro):
@@ -152,24 +143,58 @@ def make_step(objective: Callable, optimizer: optax.GradientTransformation, *, p
             frozen = gather(frozen)
         reduce = whole_batch if grad_accum == 1 else micro_batches
         loss_sums, weights, grads, metrics, metric_sums = reduce(params, batch, frozen)
-        if len(loss_sums) > 1:
-            metrics = {**metrics, **{f"loss/{k}": loss_sums[k] / weights[k] for k in loss_sums}}
-        if axis is not None and all_reduce:
-            metrics = lax.pmean(metrics, axis)  # per-example means over equal shards
-        metric_sums = all_reduce_sum(metric_sums)  # (sum, count) pairs: exact global means
-        metrics = {**metrics, **{k: total / jnp.maximum(count, 1.0) for k, (total, count) in metric_sums.items()}}
+        metrics = _global_metrics(metrics, all_reduce_sum(metric_sums), loss_sums, weights,
+                                  mean_axis=axis if all_reduce else None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         loss = sum(loss_sums[k] / weights[k] for k in loss_sums)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
         return params, opt_state, metrics
 
+    return _compile(step, parallel_mode, axis=axis, mesh=mesh, donate=donate)
+
+
+def _gather_whole(mesh) -> Callable:
+    """A function that asks XLA for a tree whole on every device of `mesh` (an all-gather)."""
+    whole = parallel.replicated(mesh)
+    return lambda tree: lax.with_sharding_constraint(tree, whole)
+
+
+def _global_metrics(metrics: dict, metric_sums: dict, loss_sums: dict, weights: dict, *, mean_axis) -> dict:
+    """The step's metrics over the global batch: each term's loss when there are several,
+    scalar metrics averaged over `mean_axis` (per-example means over equal shards; None:
+    nothing to average), and (sum, count) pairs, already summed over devices, as exact means."""
+    if len(loss_sums) > 1:
+        metrics = {**metrics, **{f"loss/{k}": loss_sums[k] / weights[k] for k in loss_sums}}
+    if mean_axis is not None:
+        metrics = lax.pmean(metrics, mean_axis)
+    return {**metrics, **{k: total / jnp.maximum(count, 1.0) for k, (total, count) in metric_sums.items()}}
+
+
+def _check_step_options(parallel_mode: str, all_reduce: bool, grad_accum) -> None:
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}.")
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of {PARALLEL_MODES}.")
+    if not all_reduce and parallel_mode in ("dp", "fsdp"):
+        raise ValueError(f"all_reduce=False needs per-device code (pmap or shard_map); under {parallel_mode!r} "
+                         "the step sees the global batch and XLA inserts the collectives.")
+
+
+def _compile(step, parallel_mode: str, *, axis, mesh, donate: bool):
+    """`step` compiled for its strategy; `donate` lets XLA reuse params/opt_state's buffers."""
     donate_argnums = (0, 1) if donate else ()
     if parallel_mode == "jit":
         return jax.jit(step, donate_argnums=donate_argnums)
     if parallel_mode == "pmap":
         return jax.pmap(step, axis_name=axis, donate_argnums=donate_argnums)
     return MeshStep(step, mesh, parallel_mode, donate_argnums=donate_argnums)
+
+
+def _per_term_grads(pullback, loss_sums: dict) -> dict:
+    """{term: the gradient of that term's loss sum alone}, from one vjp's pullback."""
+    return {k: pullback({j: jnp.ones_like(v) if j == k else jnp.zeros_like(v) for j, v in loss_sums.items()})[0]
+            for k in loss_sums}
 
 
 def check_terms(loss_sums: dict, weights: dict) -> None:
