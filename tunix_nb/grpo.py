@@ -228,7 +228,7 @@ def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.Rew
                  beta: float = 0.04, max_new_tokens: int = data.MAX_NEW_TOKENS, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, compute_dtype="auto",
                  parallel_mode: str = "jit", mesh=None, tokenizer: Tokenizer | None = None,
-                 prompt_len: int = data.DEFAULT_PROMPT_LEN) -> Callable:
+                 prompt_len: int = data.DEFAULT_PROMPT_LEN, rows: dict | None = None) -> Callable:
     """`rollout_fn(step, params, reference) -> (batch, metrics)`, for `train.run_on_policy`.
 
     Step s draws `batch_size` prompts from `examples` (`data.batch_at` with `seed`: each
@@ -236,6 +236,8 @@ def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.Rew
     with `rollout_keys(seed, s, batch_size * group_size)`: a pure function of (params,
     seed, step). It computes `old_logps` when `num_iterations > 1` and `ref_logps` when
     `beta > 0`. `parallel_mode` and `mesh` must be the step's (see `make_sampler`).
+    `rows`: the prompts already encoded (`user_data.prompt_arrays(...).arrays`, e.g. rendered
+    through a chat template), one per example; default `prompt_rows(examples, tokenizer, prompt_len)`.
     """
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
         raise ValueError(f"group_size must be an int >= 2, got {group_size!r}: an advantage compares a "
@@ -243,7 +245,11 @@ def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.Rew
     if estimator not in losses.ADVANTAGE_ESTIMATORS:
         raise ValueError(f"estimator must be one of {losses.ADVANTAGE_ESTIMATORS}, got {estimator!r}")
     tokenizer = tokenizer or ByteTokenizer()
-    rows = prompt_rows(examples, tokenizer, prompt_len)
+    if rows is None:
+        rows = prompt_rows(examples, tokenizer, prompt_len)
+    elif len(rows["index"]) != len(examples):
+        raise ValueError(f"got {len(rows['index'])} encoded prompts for {len(examples)} examples: encode the "
+                         "same examples (user_data.prompt_arrays returns both)")
     sample = make_sampler(graphdef, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                           top_p=top_p, old_logps=num_iterations > 1, ref_logps=beta > 0,
                           compute_dtype=compute_dtype, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,

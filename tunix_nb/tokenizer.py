@@ -121,7 +121,12 @@ class HFTokenizer:
 
     @classmethod
     def from_dir(cls, directory) -> "HFTokenizer":
-        """Read `tokenizer.json` and `tokenizer_config.json` from a checkpoint directory."""
+        """Read `tokenizer.json` and `tokenizer_config.json` from a checkpoint directory.
+
+        The chat template comes from `chat_template.jinja` when the folder has one (where
+        transformers 5 saves it, and what transformers reads first), else from the config's
+        `chat_template` key.
+        """
         from tokenizers import Tokenizer as _Tokenizer  # imported here: the byte tokenizer needs none of it
 
         directory = Path(directory)
@@ -132,9 +137,12 @@ class HFTokenizer:
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         content = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+        template_path = directory / "chat_template.jinja"
+        chat_template = (template_path.read_text(encoding="utf-8") if template_path.is_file()
+                         else config.get("chat_template"))
         return cls(_Tokenizer.from_file(str(directory / "tokenizer.json")),
                    **{k: content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")},
-                   chat_template=config.get("chat_template"))
+                   chat_template=chat_template)
 
     def _id(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)
