@@ -52,6 +52,8 @@ from tunix_nb.data import DataError
 from tunix_nb.tokenizer import Tokenizer
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# data files `datasets` could read but the kit does not take: a clear error, not a Hub lookup
+OTHER_SUFFIXES = {".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".xlsx"}
 
 # format -> the columns that name it, per method (checked in this order)
 FORMATS = {
@@ -100,20 +102,24 @@ def read_table(source: str | os.PathLike, *, split: str = "train", revision: str
     """Read a local .jsonl/.json/.parquet file, or a Hub dataset id (online), with `datasets`."""
     import datasets  # imported here: the shipped task never needs it
 
-    datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # a bar per tiny file would bury the training log
     path = Path(source)
-    if path.suffix.lower() in SUFFIXES or path.exists():
-        if path.suffix.lower() not in SUFFIXES:
+    suffix = path.suffix.lower()
+    if suffix in SUFFIXES or suffix in OTHER_SUFFIXES or path.exists():
+        if suffix not in SUFFIXES:
             raise DataError(f"{source}: unsupported file type; pass a .jsonl, .json or .parquet file "
                             "(TRL's formats), or a Hugging Face Hub dataset id.")
         if not path.is_file():
             raise DataError(f"{source}: file not found; check the path.")
         try:
-            ds = datasets.load_dataset(SUFFIXES[path.suffix.lower()], data_files=str(path), split="train")
+            ds = datasets.load_dataset(SUFFIXES[suffix], data_files=str(path), split="train")
         except Exception as err:  # pyarrow's messages name neither line nor field: find them
             _diagnose_json(path)
             raise DataError(f"{source}: `datasets` could not read it ({type(err).__name__}: {err}).") from None
         return Table(str(source), list(ds.column_names), _plain_rows(ds), _labels(path, len(ds)))
+    if datasets.config.HF_HUB_OFFLINE:
+        raise DataError(f"{source}: not a local file, and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1); "
+                        "pass a local .jsonl, .json or .parquet file, or go online to read a Hub dataset id.")
     try:
         ds = datasets.load_dataset(str(source), split=split, revision=revision)
     except Exception as err:
@@ -173,6 +179,7 @@ def _diagnose_json(path: Path) -> None:
                                     f"{first[1]}; give every row the same type ({_EXPECTED.get(key, 'one type')}).")
 
 
+_PAIRED = ("completion", "chosen", "rejected")
 _EXPECTED = {k: "a string, or a list of {'role', 'content'} messages"
              for k in ("prompt", "completion", "chosen", "rejected")}
 _EXPECTED.update(text="a string", messages="a list of {'role', 'content'} messages")
@@ -214,9 +221,9 @@ def _check_field(label: str, row: dict, field: str, conversational: bool | None)
     if value is None:
         raise DataError(f"{label}: field {field!r} is missing or null; it must be {want}.")
     if not isinstance(value, (str, list)) or (conversational is not None and _is_messages(value) != conversational):
-        raise DataError(f"{label}: field {field!r} is {type(value).__name__} {_short(value)}; it must be {want}"
-                        + ("" if conversational is None else f" (as the row's {'messages' if conversational else 'strings'})")
-                        + ".")
+        # prompt/completion/chosen/rejected: all strings or all messages, decided by the row's first field
+        same = ", as the row's other fields are" if conversational is not None and field in _PAIRED else ""
+        raise DataError(f"{label}: field {field!r} is {type(value).__name__} {_short(value)}; it must be {want}{same}.")
     if isinstance(value, str) and not value.strip():
         raise DataError(f"{label}: field {field!r} is empty or only whitespace; give it some text or drop the row.")
     if isinstance(value, list):
@@ -243,9 +250,9 @@ def _check_row(label: str, row: dict, fields: Sequence[str]) -> bool:
     return conversational
 
 
-def _needs_template(tokenizer: Tokenizer, source: str) -> None:
+def _needs_template(tokenizer: Tokenizer, label: str) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(f"{source}: conversational rows need a chat template, and this tokenizer "
+        raise DataError(f"{label}: conversational rows need a chat template, and this tokenizer "
                         f"({type(tokenizer).__name__}) has none. Use a checkpoint whose tokenizer has one "
                         "(tokenizer_config.json's chat_template, or chat_template.jinja), or write the rows as "
                         "plain strings ('prompt'/'completion', or 'text').")
@@ -283,6 +290,7 @@ def _span_loss(ids: list[int], start: int, end: int, eos_id: int) -> list[int]:
 def _chat_row(tokenizer, label: str, full: list, turns: list[tuple[int, int]]) -> Row:
     """A conversation's row. `turns`: (start, end) message indices of `full` with loss (start
     > 0); the last one is the completion and the messages before it are the prompt."""
+    _needs_template(tokenizer, label)
     text = _render(tokenizer, label, full, False)
     ids = tokenizer.encode(text)
 
@@ -419,10 +427,8 @@ def sft_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *, max_l
     fmt = detect_format(table, "sft")
     rows, n_cut, conversational = [], 0, fmt == "messages"
     for label, row in _each_row(table):
-        if fmt != "language_modeling" and (fmt == "messages" or isinstance(row.get("prompt"), list)):
-            conversational = True
-            _needs_template(tokenizer, label)
         encoded = _sft_row(tokenizer, label, row, fmt)
+        conversational |= isinstance(row.get("prompt"), list)
         encoded, cut = _fit(label, "the row", encoded, max_length, keep_start=fmt == "language_modeling")
         rows.append(encoded)
         n_cut += cut
@@ -481,9 +487,7 @@ def preference_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *
     chosen_rows, rejected_rows, n_cut, conversational = [], [], 0, False
     for label, row in _each_row(table):
         prompt, chosen, rejected = _split_pair(label, row, fmt)
-        if isinstance(prompt, list):
-            conversational = True
-            _needs_template(tokenizer, label)
+        conversational |= isinstance(prompt, list)
         c, r, cut = _fit_pair(label, _prompt_completion_row(tokenizer, label, prompt, chosen),
                               _prompt_completion_row(tokenizer, label, prompt, rejected), max_length)
         chosen_rows.append(c)
@@ -504,6 +508,7 @@ def _prompt_row(tokenizer, label: str, prompt) -> Row:
     if isinstance(prompt, str):
         ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
         return Row(ids, [False] * len(ids), 1, len(ids))
+    _needs_template(tokenizer, label)
     text = _render(tokenizer, label, prompt, True)
     ids = tokenizer.encode(text)
     head = 1 if ids and ids[0] == tokenizer.bos_id else 0
@@ -512,25 +517,30 @@ def _prompt_row(tokenizer, label: str, prompt) -> Row:
 
 
 def prompt_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *,
-                  max_length: int | None = None) -> Encoded:
+                  max_length: int | None = None, prompt_len: int | None = None) -> Encoded:
     """GRPO prompts from `source`: the rows of `grpo.prompt_rows` (`prompt_tokens_NxP` and
-    `prompt_mask_NxP` LEFT-padded to the longest prompt kept, `index_N`), and `examples`: the
-    rows as read (`prompt` as in the file, every other column for the reward functions).
+    `prompt_mask_NxP` LEFT-padded, `index_N`), and `examples`: the rows as read (`prompt` as
+    in the file, every other column for the reward functions); for `grpo.make_rollout(...,
+    rows=encoded.arrays)` with `examples=encoded.examples`.
 
-    `max_length` bounds the prompt's tokens (TRL's `max_prompt_length`)."""
+    `max_length` bounds the prompt's tokens (TRL's `max_prompt_length`); P = `prompt_len`,
+    or by default the longest prompt kept."""
     _check_max_length(max_length)
     table = source if isinstance(source, Table) else read_table(source)
     fmt = detect_format(table, "grpo")
     rows, n_cut, conversational = [], 0, False
     for label, row in _each_row(table):
-        if _check_field(label, row, "prompt", None):
-            conversational = True
-            _needs_template(tokenizer, label)
+        conversational |= _check_field(label, row, "prompt", None)
         encoded, cut = _fit(label, "the prompt's generation header", _prompt_row(tokenizer, label, row["prompt"]),
                             max_length)
         rows.append(encoded)
         n_cut += cut
     width = max(len(r.ids) for r in rows)
+    if prompt_len is not None:
+        if prompt_len < width:
+            raise DataError(f"{table.source}: prompt_len={prompt_len} is shorter than the longest prompt ({width} "
+                            f"tokens); raise prompt_len, or pass max_length={prompt_len} to cut prompts' starts.")
+        width = prompt_len
     tokens = np.full((len(rows), width), tokenizer.pad_id, dtype=np.int32)
     mask = np.zeros((len(rows), width), dtype=np.int32)
     for i, r in enumerate(rows):
