@@ -137,6 +137,25 @@ def test_chat_template_jinja_is_read_and_wins_over_the_config(tmp_path):
     assert tok.apply_chat_template([user("a"), assistant("b")]) == "a|b|"
 
 
+def test_named_templates_in_the_config_and_generation_blocks(tmp_path):
+    folder = tmp_path / "tok"
+    shutil.copytree(HF / "qwen3", folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    # `{{ '\\n' }}`, not a newline, after a block tag: trim_blocks (as in transformers) eats that newline
+    marked = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}<|im_start|>assistant\n"
+              "{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}{% else %}<|im_start|>{{ m['role'] }}\n"
+              "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config["chat_template"] = [{"name": "tool_use", "template": "unused"}, {"name": "default", "template": marked}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer.from_dir(folder)
+    assert tok.chat_template == marked
+    # the {% generation %} marker renders its body: the same text and masks as the plain ChatML template
+    out = user_data.sft_arrays(write(tmp_path / "m.jsonl", [{"messages": CHAT}]), tok)
+    assert_row(out.arrays, 0, chatml.encode(chatml_text(CHAT)), tok.pad_id)
+    assert masked(out.arrays, 0) == chatml.encode("yo") + [tok.eos_id] + chatml.encode("5") + [tok.eos_id]
+
+
 def test_prompt_rows_are_transformers_ids_left_padded():
     reference = json.loads((HF / "qwen3" / "reference.json").read_text())["tokenizer"]
     messages = reference["chat_template_messages"]

@@ -8,6 +8,7 @@ checkpoint comes with its own tokenizer: `HFTokenizer.from_dir` reads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 from pathlib import Path
@@ -140,6 +141,8 @@ class HFTokenizer:
         template_path = directory / "chat_template.jinja"
         chat_template = (template_path.read_text(encoding="utf-8") if template_path.is_file()
                          else config.get("chat_template"))
+        if isinstance(chat_template, list):  # named templates, [{"name", "template"}]: the default one
+            chat_template = {t.get("name"): t.get("template") for t in chat_template}.get("default")
         return cls(_Tokenizer.from_file(str(directory / "tokenizer.json")),
                    **{k: content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")},
                    chat_template=chat_template)
@@ -166,23 +169,58 @@ class HFTokenizer:
                              "the tokenizer's; mask those logits or cut the ids.")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = False) -> str:
-        """The model's chat template rendered as transformers renders it (Jinja2, sandboxed)."""
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = False, **template_kwargs) -> str:
+        """The model's chat template rendered as transformers renders it (Jinja2, sandboxed).
+
+        `template_kwargs` reach the template as variables (e.g. Qwen3's `enable_thinking`).
+        A `{% generation %}` block (transformers' marker for assistant masks) renders its body.
+        """
         if self.chat_template is None:
             raise ValueError("This tokenizer has no chat_template; build the prompt text yourself.")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        import jinja2.ext
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **self.special_tokens)
+        return _compiled_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, **template_kwargs})
 
     def __repr__(self) -> str:
         return (f"HFTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id}, "
                 f"bos_id={self.bos_id}, eos_id={self.eos_id})")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    """`source` compiled once (a data set renders it several times a row), in the sandboxed
+    environment transformers uses: trim_blocks, lstrip_blocks, loop controls, raise_exception."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2.ext
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _generation_tag()])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def _generation_tag():
+    """A Jinja2 extension for `{% generation %}...{% endgeneration %}`: the body, rendered as is.
+
+    Templates written for transformers' `return_assistant_tokens_mask` wrap assistant turns in
+    it; the kit finds those turns by rendering prefixes instead (tunix_nb.user_data), so here
+    the block only has to parse. Built on first use: the byte tokenizer needs no jinja2.
+    """
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
