@@ -209,10 +209,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list)
-
-
 def _check_field(label: str, row: dict, field: str, conversational: bool | None) -> bool:
     """Check row[field] (a non-empty string or message list); returns whether it is a message list."""
     value = row.get(field)
@@ -220,7 +216,7 @@ def _check_field(label: str, row: dict, field: str, conversational: bool | None)
             False: "a string"}[conversational]
     if value is None:
         raise DataError(f"{label}: field {field!r} is missing or null; it must be {want}.")
-    if not isinstance(value, (str, list)) or (conversational is not None and _is_messages(value) != conversational):
+    if not isinstance(value, (str, list)) or (conversational is not None and isinstance(value, list) != conversational):
         # prompt/completion/chosen/rejected: all strings or all messages, decided by the row's first field
         same = ", as the row's other fields are" if conversational is not None and field in _PAIRED else ""
         raise DataError(f"{label}: field {field!r} is {type(value).__name__} {_short(value)}; it must be {want}{same}.")
@@ -237,7 +233,7 @@ def _check_messages(label: str, field: str, messages: list) -> None:
     for i, m in enumerate(messages, start=1):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise DataError(f"{label}: field {field!r} message {i} must be {{'role': str, 'content': str}}, "
-                            f"got {m!r}.")
+                            f"got {_short(m)}.")
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{label}: field {field!r} message {i} is an empty assistant turn; give it content.")
 
