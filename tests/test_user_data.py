@@ -156,6 +156,30 @@ def test_named_templates_in_the_config_and_generation_blocks(tmp_path):
     assert masked(out.arrays, 0) == chatml.encode("yo") + [tok.eos_id] + chatml.encode("5") + [tok.eos_id]
 
 
+RECORDED = json.loads((HF / "chat_templates.json").read_text())  # by record_chat_templates.py, with transformers
+
+
+@pytest.mark.parametrize("name, tok", [("qwen3", chatml), ("llama3_chat", llama3)])
+def test_rows_and_prompts_are_transformers_ids(tmp_path, name, tok):
+    expected = RECORDED[name]["conversation_ids"]
+    out = user_data.sft_arrays(write(tmp_path / "m.jsonl", [{"messages": RECORDED["conversation"]}]), tok)
+    assert_row(out.arrays, 0, expected, tok.pad_id)
+    if name == "llama3_chat":  # the template writes the bos and the kit adds none: exactly one
+        assert expected[0] == tok.bos_id and expected.count(tok.bos_id) == 1
+    table = user_data.Table("t", ["prompt"], [{"prompt": RECORDED["conversation"][:1]}], ["t 1"])
+    assert user_data.prompt_arrays(table, tok).arrays["prompt_tokens"][0].tolist() == \
+        RECORDED[name]["first_turn_prompt_ids"]
+
+
+def test_loss_mask_equals_transformers_assistant_masks(tmp_path):
+    tok = HFTokenizer.from_dir(HF / "qwen3")
+    tok.chat_template = RECORDED["marked_chatml"]  # {% generation %} around each reply and its <|im_end|>
+    out = user_data.sft_arrays(write(tmp_path / "m.jsonl", [{"messages": RECORDED["conversation"]}]), tok)
+    assert_row(out.arrays, 0, RECORDED["marked_chatml_ids"], tok.pad_id)
+    loss_at = [0] + out.arrays["loss_mask"][0].astype(int).tolist()  # row position p: targets[p - 1]
+    assert loss_at[:len(RECORDED["marked_chatml_ids"])] == RECORDED["marked_chatml_assistant_masks"]
+
+
 def test_prompt_rows_are_transformers_ids_left_padded():
     reference = json.loads((HF / "qwen3" / "reference.json").read_text())["tokenizer"]
     messages = reference["chat_template_messages"]
