@@ -235,6 +235,9 @@ def test_implicit_prompt_standard_and_conversational(tmp_path):
     assert masked(conv.arrays, 0, "chosen_") == chatml.encode("4") + [chatml.eos_id]
     assert masked(conv.arrays, 0, "rejected_") == chatml.encode("5") + [chatml.eos_id]
     assert_row(conv.arrays, 0, chatml.encode(chatml_text(chat[0]["chosen"])), chatml.pad_id, "chosen_")
+    explicit = [{"prompt": [user("2+2?")], "chosen": [assistant("4")], "rejected": [assistant("5")]}]
+    same = user_data.preference_arrays(write(tmp_path / "e.parquet", explicit), chatml)
+    assert same.format == "preference" and all(np.array_equal(same.arrays[k], conv.arrays[k]) for k in conv.arrays)
 
 
 # ---------------------------------------------------------------- truncation
