@@ -107,6 +107,8 @@ def test_bad_input_raises_errors_that_name_the_fix(examples):
         P.pack(left, P.PackingConfig(max_length=MAX_LEN))
     with pytest.raises(data.DataError, match="missing \\['loss_mask'\\]"):
         P.pack({k: v for k, v in examples.items() if k != "loss_mask"}, P.PackingConfig(max_length=MAX_LEN))
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 5\) but tokens have shape \(2, 4\)"):
+        M.segment_attention((2, 4), None, jnp.ones((2, 5), jnp.int32))
     with pytest.raises(ValueError, match="strategy must be one of"):
         P.PackingConfig(strategy="best_fit")
     with pytest.raises(ValueError, match="max_length must be a positive int"):
@@ -240,6 +242,8 @@ def test_stored_measurement_is_consistent_and_says_how_it_was_made():
         rows, length = stored["shapes"][name]
         assert stored["padding_fraction"][name] == pytest.approx(1 - tokens / (rows * length))
         assert stored["tokens_per_second"][name] == pytest.approx(tokens / stored["seconds_per_step"][name]["median"])
+        assert stored["tokens_per_second_ratio"][name] == pytest.approx(
+            stored["tokens_per_second"][name] / stored["tokens_per_second"]["padding"])
     for name in ("packing", "padding_free"):
         spread = stored["speedup_over_padding"][name]
         assert spread["q25"] <= spread["median"] <= spread["q75"] and spread["rounds"] >= 5

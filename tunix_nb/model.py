@@ -11,7 +11,9 @@ module from a Hugging Face checkpoint.
 Steps elsewhere in the kit are pure functions of a parameter pytree, so the module is
 split once (`split`) into a static `graphdef` and its `params`, and `apply` merges them
 back inside the step. Padding never changes the logits of real tokens: positions count
-only real tokens, and padded keys are masked out of attention.
+only real tokens, and padded keys are masked out of attention. Rows that hold several
+examples (`tunix_nb.packing`) pass segment ids: a token then attends only within its own
+example, and positions restart at 0 for each.
 """
 
 from __future__ import annotations
