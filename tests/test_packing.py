@@ -142,6 +142,10 @@ def test_each_packed_example_scores_as_it_does_alone(tiny, examples, packed):
     padded = apply(graphdef, params, examples["inputs"], examples["attention_mask"])
     for i, n in enumerate(layout.length_N):
         np.testing.assert_allclose(per_example[i, :n], padded[i, :n], atol=LOGIT_ATOL, rtol=0)
+    free_batch, free_layout = P.pack(examples, P.PackingConfig(max_length=MAX_LEN, padding_free=True,
+                                                               pad_to_multiple_of=16))
+    free = P.unpack(jax.jit(P.apply_packed, static_argnums=0)(graphdef, params, free_batch), free_layout)
+    np.testing.assert_allclose(free, per_example, atol=LOGIT_ATOL, rtol=0)  # padding-free equals packed
     for i in np.argsort(layout.length_N)[[0, -1]]:  # the shortest and the longest, each in a row of its own
         n = layout.length_N[i]
         alone = apply(graphdef, params, examples["inputs"][i:i + 1, :n])

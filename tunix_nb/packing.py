@@ -54,9 +54,9 @@ class PackingConfig:
 
     max_length: int = 256  # tokens per packed row; no example may be longer
     strategy: str = "first_fit_decreasing"  # or "next_fit": fill rows in the examples' order
-    # A static row count, so that one compiled step serves every batch: the rows the
-    # packer does not need are all padding, and a batch that needs more raises an
-    # error naming the count. None: as many rows as the batch needs.
+    # A static row count (packed rows; padding-free is one row), so that one compiled
+    # step serves every batch: the rows the packer does not need are all padding, and a
+    # batch that needs more raises an error naming the count. None: as many as it needs.
     num_rows: int | None = None
     padding_free: bool = False  # one row holding the whole batch (see the module's docstring)
     pad_to_multiple_of: int = 128  # padding-free only: the row's length is a multiple of this
