@@ -11,7 +11,9 @@ module from a Hugging Face checkpoint.
 Steps elsewhere in the kit are pure functions of a parameter pytree, so the module is
 split once (`split`) into a static `graphdef` and its `params`, and `apply` merges them
 back inside the step. Padding never changes the logits of real tokens: positions count
-only real tokens, and padded keys are masked out of attention.
+only real tokens, and padded keys are masked out of attention. Rows that hold several
+examples (`tunix_nb.packing`) pass segment ids: a token then attends only within its own
+example, and positions restart at 0 for each.
 """
 
 from __future__ import annotations
@@ -245,6 +247,34 @@ def _remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS):
     return jax.checkpoint(run)(state, x_BxLxD, positions_BxL, allowed_BxLxS)
 
 
+def segment_attention(shape_BxL, attention_mask_BxL=None, segment_ids_BxL=None, positions_BxL=None):
+    """(allowed [B, L, L], positions [B, L]) for rows that hold several examples.
+
+    A query sees a key when the key is not after it and both carry the same segment id
+    (0 is padding: never seen). Without positions, a token's position counts the earlier
+    tokens of its own segment, so RoPE restarts at 0 for each example. Without segment
+    ids the attention mask is the one segment (1 = real token).
+    """
+    B, L = shape_BxL
+    if segment_ids_BxL is None:
+        segment_ids_BxL = jnp.ones((B, L), jnp.int32) if attention_mask_BxL is None else attention_mask_BxL
+    segment_ids_BxL = jnp.asarray(segment_ids_BxL)
+    if segment_ids_BxL.shape != (B, L):
+        raise ValueError(f"segment_ids has shape {segment_ids_BxL.shape} but tokens have shape {(B, L)}; "
+                         "give one segment id per token (tunix_nb.packing builds them).")
+    if attention_mask_BxL is not None:
+        segment_ids_BxL = jnp.where(jnp.asarray(attention_mask_BxL) > 0, segment_ids_BxL, 0)
+    causal_LxL = jnp.tril(jnp.ones((L, L), bool))
+    same_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    allowed_BxLxL = causal_LxL[None] & same_BxLxL & (segment_ids_BxL > 0)[:, None, :]
+    if positions_BxL is None:
+        positions_BxL = jnp.maximum(jnp.sum(allowed_BxLxL, axis=-1) - 1, 0)
+    elif jnp.shape(positions_BxL) != (B, L):
+        raise ValueError(f"positions has shape {jnp.shape(positions_BxL)} but tokens have shape {(B, L)}; "
+                         "give one position per token.")
+    return allowed_BxLxL, positions_BxL
+
+
 class Transformer(nnx.Module):
     """tokens [B, L] int32 (+ attention_mask [B, L], 1 = real token) -> logits [B, L, V] float32."""
 
@@ -256,9 +286,16 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype, rngs=rngs)
 
-    def __call__(self, tokens_BxL, attention_mask_BxL=None):
+    def __call__(self, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
+        """Logits [B, L, V] float32. `segment_ids_BxL` (packed rows, `tunix_nb.packing`): a
+        token attends only to earlier tokens of its own segment (1, 2, ...; 0 is padding),
+        and positions restart per segment unless `positions_BxL` gives them."""
         if tokens_BxL.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxL.shape}.")
+        if segment_ids_BxL is not None or positions_BxL is not None:
+            allowed_BxLxL, positions_BxL = segment_attention(
+                tokens_BxL.shape, attention_mask_BxL, segment_ids_BxL, positions_BxL)
+            return self._run(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
         if attention_mask_BxL is None:
             attention_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
         real_BxL = attention_mask_BxL.astype(bool)
@@ -328,9 +365,13 @@ def split(model: Transformer):
     return nnx.split(model)
 
 
-def apply(graphdef, params, tokens_BxL, attention_mask_BxL=None):
-    """Pure forward pass: logits [B, L, V] from a parameter pytree."""
-    return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL)
+def apply(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
+    """Pure forward pass: logits [B, L, V] from a parameter pytree (packed rows: see
+    `Transformer.__call__`)."""
+    if segment_ids_BxL is None and positions_BxL is None:  # the unpacked call, exactly as before
+        return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL)
+    return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
+                                       positions_BxL=positions_BxL)
 
 
 def init_cache(graphdef, params, batch_size: int, max_len: int) -> dict:
