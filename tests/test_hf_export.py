@@ -185,6 +185,21 @@ def test_save_merged_writes_the_bases_dtype_by_default(adapted, tmp_path):
     assert hf.read_config(out)["dtype"] == "bfloat16"
 
 
+def test_a_qlora_model_exports_merged_on_its_dequantised_base(adapted, tmp_path):
+    graphdef, params, config, *_ = adapted["qwen3"]
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=8.0, quantize="nf4", tile_size=16)
+    adapters = kit_exports.dyadic(adapters, seed=1)
+    out = hf.save_merged(tmp_path, lora_graphdef, adapters, base, alpha=8.0, source=kit_exports.FIXTURES / "qwen3")
+    merged_graphdef, merged = lora.merge(lora_graphdef, adapters, base, alpha=8.0)
+    _, reloaded, _ = hf.load_pretrained(out)
+    assert compare.bitwise_equal(reloaded, merged)
+    qlora = apply(lora_graphdef, lora.combine(adapters, base), "qwen3")
+    real = batch("qwen3")["attention_mask"].astype(bool)
+    assert np.abs(np.asarray(qlora - apply(merged_graphdef, reloaded, "qwen3")))[real].max() < tolerance("qwen3", config)
+    # the dequantised base is not the float32 one: nf4's error shows in the logits
+    assert max_diff_on_real_tokens(apply(merged_graphdef, reloaded, "qwen3"), "qwen3", "merged") > 0.01
+
+
 def test_export_errors_name_the_problem(adapted, tmp_path):
     graphdef, params, config, *_ = adapted["qwen3"]
     with pytest.raises(hf.CheckpointError,
