@@ -173,8 +173,6 @@ def test_adapters_stay_float32_on_a_bfloat16_base(tmp_path):
     lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=2, alpha=4.0)
     assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype("bfloat16")}
-    grads = jax.grad(lambda a: model.apply(lora_graphdef, lora.combine(a, base), TOKENS).sum())(nudged(adapters))
-    assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
     out = hf.save_merged(tmp_path, lora_graphdef, nudged(adapters), base, alpha=4.0)
     _, reloaded, _ = hf.load_pretrained(out)
     assert {x.dtype for x in jax.tree.leaves(reloaded)} == {jnp.dtype("bfloat16")}
