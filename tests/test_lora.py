@@ -164,3 +164,15 @@ def test_bad_settings_are_refused_with_the_fix(tiny, kwargs, message):
 def test_the_objective_needs_the_base_in_frozen(lora_sft):
     with pytest.raises(ValueError, match="frozen=lora.frozen"):
         lora_sft["objective"](lora_sft["adapters"], lora_sft["batch_fn"](0), None)
+
+
+def test_adapters_stay_float32_on_a_bfloat16_base(tmp_path):
+    """--dtype bfloat16 keeps the frozen base in bfloat16; the adapters train in float32,
+    and the merged export is written in the base's dtype."""
+    graphdef, params, _ = hf.load_pretrained(QWEN3, dtype="bfloat16")
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=2, alpha=4.0)
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype("bfloat16")}
+    out = hf.save_merged(tmp_path, lora_graphdef, nudged(adapters), base, alpha=4.0)
+    _, reloaded, _ = hf.load_pretrained(out)
+    assert {x.dtype for x in jax.tree.leaves(reloaded)} == {jnp.dtype("bfloat16")}

@@ -20,8 +20,10 @@ GELU MLP and alternating sliding-window layers would each need a model option.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +38,13 @@ from tunix_nb import model, parallel
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"  # transformers' shard names
+# What save_pretrained copies from the source checkpoint, where present: the tokenizer
+# (fast and slow files), its chat template (transformers 5 writes chat_template.jinja)
+# and the generation defaults (eos ids, sampling settings).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+DTYPES = ("float32", "bfloat16")  # what parameters are kept in (load) and written as (save)
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
 # What transformers assumes when config.json leaves a field out (Qwen2/Qwen3 default to
@@ -181,21 +190,32 @@ def family_for(config: model.ModelConfig) -> str:
     return "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
 
 
-def hf_config_for(config: model.ModelConfig, *, dtype: str, extra: dict | None = None) -> dict:
-    """config.json for a kit model, in the form transformers 5 writes (`extra` adds keys,
-    e.g. the source checkpoint's bos/eos token ids and max_position_embeddings)."""
-    family = family_for(config)
+def rope_config_fields(config: model.ModelConfig) -> dict:
+    """RoPE in both forms readers expect: transformers 5's `rope_parameters`, and the
+    top-level `rope_theta` / `rope_scaling` that transformers 4.x (and servers built on
+    it) read. Both say the same; transformers 5 standardises either into the first."""
     rope = {"rope_type": "default", "rope_theta": config.rope_base}
+    scaling = None
     if config.rope_scaling is not None:
-        rope = {**rope, "rope_type": "llama3", **model.dataclasses.asdict(config.rope_scaling)}
+        scaling = {"rope_type": "llama3", **model.dataclasses.asdict(config.rope_scaling)}
+        rope = {**rope, **scaling}
+    return {"rope_parameters": rope, "rope_theta": config.rope_base, "rope_scaling": scaling}
+
+
+def hf_config_for(config: model.ModelConfig, *, dtype: str, extra: dict | None = None) -> dict:
+    """config.json for a kit model, in the form transformers 5 writes, with the RoPE and
+    dtype keys of 4.x too (`extra` adds keys, e.g. the source checkpoint's bos/eos token
+    ids and max_position_embeddings; `export_config` keeps a source's fields)."""
+    family = family_for(config)
     out = {
         "architectures": [FAMILY_ARCHITECTURE[family]], "model_type": family,
         "vocab_size": config.vocab_size, "hidden_size": config.d_model,
         "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_size, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-        "rope_parameters": rope, "tie_word_embeddings": config.tie_embeddings,
-        "attention_dropout": 0.0, "max_position_embeddings": 2048, "dtype": dtype,
+        **rope_config_fields(config), "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": 0.0, "max_position_embeddings": 2048,
+        "dtype": dtype, "torch_dtype": dtype,  # 5.x reads dtype, 4.x torch_dtype
     }
     if family != "qwen2":
         out["attention_bias"] = False
@@ -204,13 +224,51 @@ def hf_config_for(config: model.ModelConfig, *, dtype: str, extra: dict | None =
     return {**out, **(extra or {})}
 
 
+# Keys of a source config.json that describe the file, not the model: not carried over.
+NOT_KEPT = ("transformers_version", "_name_or_path", "quantization_config")
+# Keys hf_config_for fills with a default the kit's model does not know: the source's win.
+SOURCE_WINS = ("max_position_embeddings", "attention_dropout")
+
+
+def export_config(config: model.ModelConfig, *, dtype: str, source_config: dict | None = None,
+                  extra: dict | None = None) -> dict:
+    """config.json for an export: the source checkpoint's fields (max_position_embeddings,
+    bos/eos/pad token ids, initializer_range, ...) kept, the model's own written over them.
+
+    Raises if the source describes another model than `config` (e.g. the config.json of a
+    different size), since its fields would then be wrong for these weights.
+    """
+    own = hf_config_for(config, dtype=dtype)
+    if source_config is None:
+        return {**own, **(extra or {})}
+    theirs = hf_config_for(model_config(source_config), dtype=dtype)
+    differ = sorted(k for k in own if own[k] != theirs.get(k) and k not in SOURCE_WINS)
+    if differ:
+        raise CheckpointError(f"The source config.json describes another model: {differ[0]} is "
+                              f"{theirs.get(differ[0])!r} there and {own[differ[0]]!r} here (differing keys: "
+                              f"{differ}). Pass the checkpoint these weights were loaded from as source.")
+    kept = {k: v for k, v in source_config.items() if k not in NOT_KEPT}
+    own = {k: v for k, v in own.items() if not (k in SOURCE_WINS and k in kept)}
+    return {**kept, **own, **(extra or {})}
+
+
 # ---------------------------------------------------------------- reading tensors
 
 
-def resolve(path_or_repo_id) -> Path:
-    """A local checkpoint directory, or a Hub repository id downloaded when online."""
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model"]
+
+
+def resolve(path_or_repo_id, *, revision: str | None = None, token: str | None = None) -> Path:
+    """A local checkpoint directory, or a Hub repository id downloaded when online.
+
+    `revision` pins a Hub commit (or a branch or tag); `token` defaults to what
+    huggingface_hub finds itself (the HF_TOKEN variable, or `hf auth login`).
+    """
     path = Path(path_or_repo_id)
     if path.is_dir():
+        if revision is not None:
+            raise CheckpointError(f"revision={revision!r} pins a Hub commit, but {path} is a local "
+                                  "directory; drop the revision, or pass a Hub id such as 'Qwen/Qwen3-0.6B'.")
         return path
     if path.exists() or str(path_or_repo_id).count("/") != 1:
         raise CheckpointError(f"{path_or_repo_id} is neither a checkpoint directory nor a Hub id "
@@ -218,12 +276,57 @@ def resolve(path_or_repo_id) -> Path:
     from huggingface_hub import snapshot_download  # only needed online
 
     try:
-        return Path(snapshot_download(str(path_or_repo_id),
-                                      allow_patterns=["*.json", "*.safetensors", "*.txt"]))
-    except Exception as err:  # offline, unknown repository, gated model without a token
-        raise CheckpointError(f"Could not download {path_or_repo_id!r} from the Hugging Face Hub "
-                              f"({type(err).__name__}: {err}). Offline, pass a local directory "
-                              "instead; for a gated model, log in with `huggingface-cli login`.") from err
+        return Path(snapshot_download(str(path_or_repo_id), revision=revision, token=token,
+                                      allow_patterns=HUB_PATTERNS))
+    except Exception as err:  # offline, unknown repository or revision, gated model without a token
+        raise CheckpointError(_download_error(str(path_or_repo_id), revision, err)) from err
+
+
+def _download_error(repo_id: str, revision: str | None, err: Exception) -> str:
+    """What went wrong fetching a checkpoint from the Hub, and what to do about it."""
+    from huggingface_hub import errors
+
+    what = f"Could not download {repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    cause = f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    if isinstance(err, errors.GatedRepoError):
+        fix = ("It is a gated model: accept its licence on its Hub page, then set HF_TOKEN to a token "
+               "of that account (or run `hf auth login`).")
+    elif isinstance(err, errors.RevisionNotFoundError):
+        fix = "The revision does not exist there: pass a commit hash, branch or tag of that repository."
+    elif isinstance(err, errors.RepositoryNotFoundError):
+        fix = ("No such repository, or a private/gated one this account cannot read: check the id, and "
+               "set HF_TOKEN (or run `hf auth login`) if it needs a login.")
+    elif isinstance(err, errors.HfHubHTTPError):
+        fix = ("The Hub refused the download: if the model needs a login, set HF_TOKEN (or run "
+               "`hf auth login`); otherwise pass a local checkpoint directory.")
+    elif isinstance(err, OSError):  # LocalEntryNotFoundError: offline and not in the cache
+        fix = ("The Hub could not be reached and it is not in the local cache: run online once (with "
+               "HF_TOKEN set for a gated model), or pass a local checkpoint directory instead.")
+    else:
+        fix = "Check the id, your connection and HF_TOKEN, or pass a local checkpoint directory."
+    return f"{what} {cause}. {fix}"
+
+
+def source_fingerprint(directory) -> str:
+    """'sha256:<hex>' of a checkpoint's config.json and weight files (names and bytes).
+
+    It depends on the content alone, not on where the folder is, so a run config can
+    record it and a resume can refuse a different model. Files are streamed in 1 MiB
+    blocks; each is framed by its name and size, so no two file sets hash alike.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory: source_fingerprint hashes a checkpoint "
+                              "folder (hf.resolve gives one for a Hub id).")
+    read_config(directory)  # raises, naming a missing config.json
+    files = [directory / CONFIG_FILE] + sorted(set(tensor_files(directory).values()))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def tensor_files(directory: Path) -> dict[str, Path]:
@@ -311,18 +414,26 @@ def abstract_model(config: model.ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))
 
 
+def check_dtype(dtype, allowed=DTYPES, *, what: str = "dtype") -> None:
+    if dtype is not None and str(dtype) not in allowed:
+        raise CheckpointError(f"{what}={dtype!r}; choose one of {allowed} (or None to keep the file's).")
+
+
 def load_pretrained(path_or_repo_id, *, dtype: str | None = None,
-                    sharding: jax.sharding.Sharding | Callable | None = None):
+                    sharding: jax.sharding.Sharding | Callable | None = None,
+                    revision: str | None = None, token: str | None = None):
     """(graphdef, params, config) of a Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
 
-    dtype: the parameters' dtype ("float32" to train; None keeps the file's). sharding:
-    where the parameters go: None (the default device), one Sharding for all, or a
-    function from the abstract parameter tree to a tree of shardings, e.g.
-    `lambda like: parallel.fsdp_shardings(like, mesh)`. Each device reads only its own
-    slice of each tensor from the files, so a model that does not fit one device never
-    sits whole on one, and no random initialisation is ever computed.
+    path_or_repo_id: a local checkpoint folder, or a Hub id (`revision` pins a commit;
+    `token` defaults to HF_TOKEN). dtype: the parameters' dtype, "float32" (to train) or
+    "bfloat16"; None keeps the file's. sharding: where the parameters go: None (the
+    default device), one Sharding for all, or a function from the abstract parameter tree
+    to a tree of shardings, e.g. `lambda like: parallel.fsdp_shardings(like, mesh)`. Each
+    device reads only its own slice of each tensor from the files, so a model that does
+    not fit one device never sits whole on one, and no random initialisation is ever computed.
     """
-    directory = resolve(path_or_repo_id)
+    check_dtype(dtype)
+    directory = resolve(path_or_repo_id, revision=revision, token=token)
     config = model_config(read_config(directory))
     graphdef, abstract = abstract_model(config)
     names = kit_names(abstract)
@@ -337,39 +448,143 @@ def load_pretrained(path_or_repo_id, *, dtype: str | None = None,
 
 # ---------------------------------------------------------------- writing
 
+EXPORT_DTYPES = DTYPES + ("float16",)
+
 
 def _params_dtype(params) -> str:
     dtypes = {str(np.dtype(x.dtype)) for x in jax.tree.leaves(params)}
     if len(dtypes) != 1:
-        raise CheckpointError(f"The parameters mix dtypes {sorted(dtypes)}; cast them to one first "
-                              "(e.g. tunix_nb.precision.cast_floats).")
+        raise CheckpointError(f"The parameters mix dtypes {sorted(dtypes)}; pass dtype= to write them "
+                              "in one, or cast them first (e.g. tunix_nb.precision.cast_floats).")
     return dtypes.pop()
 
 
-def hf_tensors(params) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors (host arrays, [out, in] weights) of a kit parameter tree."""
+def hf_tensors(params, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors (host arrays, [out, in] weights) of a kit parameter tree,
+    cast to `dtype` when given."""
     tensors = {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         name = kit_name(path)
         array = parallel.to_host(x)
+        array = array if dtype is None else array.astype(jax.numpy.dtype(dtype))
         tensors[hf_name(name)] = np.ascontiguousarray(array.T if is_transposed(name) else array)
     return tensors
 
 
-def save_pretrained(out_dir, graphdef, params, config: model.ModelConfig, *, extra_config: dict | None = None):
-    """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads.
+SIZE_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
 
+
+def size_in_bytes(size) -> int:
+    """5_000_000, "5GB" (10^9 bytes), "500MB", "48KB" or "2GiB" (2^30), as transformers reads them."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    text = str(size).strip().upper()
+    for unit, factor in SIZE_UNITS.items():  # longest units first, so "GIB" is not read as "B"
+        number = text[: -len(unit)].strip()
+        if text.endswith(unit) and number.replace(".", "", 1).isdigit() and float(number) > 0:
+            return int(float(number) * factor)
+    raise CheckpointError(f"max_shard_size={size!r}: give a positive number of bytes or a size such as "
+                          "'5GB', '500MB' or '2GiB'.")
+
+
+def _module_order(name: str):
+    """The embedding, the layers (10 after 9), the final norm, then lm_head: the order of a
+    model's modules, in which transformers fills its shards."""
+    return name.startswith("lm_head"), [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def shard(tensors: dict[str, np.ndarray], max_shard_size) -> list[dict[str, np.ndarray]]:
+    """Tensors in module order, cut into shards of at most max_shard_size bytes (a tensor
+    larger than that gets a shard of its own), as transformers' save_pretrained does."""
+    limit = size_in_bytes(max_shard_size)
+    shards, current, used = [], {}, 0
+    for name in sorted(tensors, key=_module_order):
+        size = tensors[name].nbytes
+        if current and used + size > limit:
+            shards.append(current)
+            current, used = {}, 0
+        current[name], used = tensors[name], used + size
+    return shards + [current]
+
+
+def write_tensors(out: Path, tensors: dict[str, np.ndarray], max_shard_size=None) -> list[str]:
+    """model.safetensors, or shards with model.safetensors.index.json; returns the file names.
+
+    Weight files of an earlier save in `out` are removed first: a stale index or shard
+    would otherwise be read instead of (or mixed with) the new weights.
+    """
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    shards = [tensors] if max_shard_size is None else shard(tensors, max_shard_size)
+    if len(shards) == 1:
+        save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    weight_map, names = {}, []
+    for index, part in enumerate(shards, start=1):
+        names.append(SHARD_FILE.format(index=index, count=len(shards)))
+        save_file(part, out / names[-1], metadata={"format": "pt"})
+        weight_map.update({name: names[-1] for name in part})
+    index_json = {"metadata": {"total_parameters": sum(t.size for t in tensors.values()),
+                               "total_size": sum(t.nbytes for t in tensors.values())},
+                  "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index_json, indent=2) + "\n")
+    return names + [INDEX_FILE]
+
+
+def copy_tokenizer_files(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer, chat template and generation config files `source` has."""
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, out / name)
+    return copied
+
+
+def save_pretrained(out_dir, graphdef, params, config: model.ModelConfig, *, extra_config: dict | None = None,
+                    source=None, dtype: str | None = None, max_shard_size=None):
+    """Write config.json and safetensors that transformers' AutoModelForCausalLM loads.
+
+    source: the checkpoint folder (or Hub id) the model came from: its config.json's
+    fields are kept (max_position_embeddings, special token ids, ...) and its tokenizer
+    files copied (TOKENIZER_FILES), so the folder is complete for transformers and vLLM.
+    dtype: the tensors' dtype on disk ("float32", "bfloat16", "float16"; None keeps the
+    parameters', which must then be one). max_shard_size: e.g. "5GB"; larger weights
+    are split into shards with model.safetensors.index.json, as transformers writes them.
     `graphdef` is checked against `config` so that a config from another model is caught
     before anything is written. Returns the directory.
     """
+    check_dtype(dtype, EXPORT_DTYPES)
     expected_graphdef, abstract = abstract_model(config)
     if expected_graphdef != graphdef:
         raise CheckpointError("graphdef does not match config: pass the config returned with these "
                               "parameters (by hf.load_pretrained, or the one the model was built from).")
     check_names([hf_name(n) for n in kit_names(params)], _expected_names(kit_names(abstract)), config, "params")
-    hf_config = hf_config_for(config, dtype=_params_dtype(params), extra=extra_config)
+    source_dir = None if source is None else resolve(source)
+    hf_config = export_config(config, dtype=dtype or _params_dtype(params), extra=extra_config,
+                              source_config=None if source_dir is None else read_config(source_dir))
+    if max_shard_size is not None:
+        size_in_bytes(max_shard_size)  # a bad size fails before anything is written
     out = Path(out_dir)
+    if source_dir is not None and out.resolve() == source_dir.resolve():
+        raise CheckpointError(f"{out} is the source checkpoint itself; export to another directory.")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(params), out / SINGLE_FILE, metadata={"format": "pt"})
+    write_tensors(out, hf_tensors(params, dtype), max_shard_size)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    if source_dir is not None:
+        copy_tokenizer_files(source_dir, out)
     return out
+
+
+def save_merged(out_dir, lora_graphdef, adapters, base, *, alpha: float, dtype: str | None = None, **save_kwargs):
+    """Export a LoRA or QLoRA model as a plain checkpoint: the adapters merged into the
+    weights (`lora.merge`, QLoRA's base dequantised first), then `save_pretrained`.
+
+    dtype None writes the frozen base's dtype (the embedding's: the dtype the base was
+    loaded in), since merged kernels come out in float32 from float32 adapters.
+    """
+    from tunix_nb import lora  # qwix is imported only for LoRA models
+
+    plain_graphdef, merged = lora.merge(lora_graphdef, adapters, base, alpha=alpha)
+    config = nnx.merge(plain_graphdef, merged).cfg
+    if dtype is None:
+        dtype = str(np.dtype(nnx.to_pure_dict(base)["embed"]["embedding"].dtype))
+    return save_pretrained(out_dir, plain_graphdef, merged, config, dtype=dtype, **save_kwargs)

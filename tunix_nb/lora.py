@@ -52,8 +52,8 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
           quantize: str = "none", tile_size: int = DEFAULT_TILE_SIZE, seed: int = 0):
     """(graphdef, adapters, base): the model with adapters on the matching layers.
 
-    `adapters` holds the LoRAParam leaves (A random, B zero), `base` everything else
-    (quantised where `quantize` says). `params` is left as it was.
+    `adapters` holds the LoRAParam leaves (A random, B zero; float32 whatever the base's
+    dtype), `base` everything else (quantised where `quantize` says). `params` is left as it was.
     """
     rule = provider(rank=rank, alpha=alpha, targets=targets, quantize=quantize, tile_size=tile_size)
     sample_tokens = jnp.ones((1, 2), jnp.int32)  # qwix traces one call to find the layers
@@ -70,6 +70,9 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
                          "input size.") from err
     adapted.cfg = dataclasses.replace(adapted.cfg, remat=remat)
     lora_graphdef, adapters, base = nnx.split(adapted, nnx.LoRAParam, ...)
+    # qwix makes the adapters in the kernel's dtype; they train in float32 whatever the
+    # frozen base is kept in (a bfloat16 base: --dtype bfloat16), as PEFT's adapters do.
+    adapters = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
     if not jax.tree.leaves(adapters):
         raise ValueError(f"targets={targets!r} matched no layer. The kit's layers are named like "
                          "'blocks/0/attn/q' and 'blocks/0/mlp/gate'.")

@@ -1,0 +1,105 @@
+"""What a checkpoint says to a prompt: `python -m tunix_nb.generate --model DIR --prompt "..."`.
+
+Loads a Hugging Face folder (one the kit exported with `hf.save_pretrained`, or any
+Llama / Qwen2 / Qwen3 checkpoint), renders the prompt as one user message through the
+checkpoint's chat template (raw text when it has none), samples with
+`tunix_nb.sampler` and prints the completion, up to the first eos:
+
+    python -m tunix_nb.generate --model runs/export --prompt "add 2 3" --max-new-tokens 32
+    python -m tunix_nb.generate --model runs/export --prompt "add 2 3" --temperature 0.8 --seed 1
+
+Temperature 0 (the default) is greedy decoding, so the same folder and prompt always
+give the same answer; with a temperature, the seed alone decides the draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tunix_nb import hf, sampler
+from tunix_nb.tokenizer import ByteTokenizer, HFTokenizer
+
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 writes the chat template
+
+
+def load_tokenizer(directory: Path, vocab_size: int):
+    """The checkpoint's tokenizer (tokenizer.json), with its chat template from
+    chat_template.jinja when present (it takes precedence, as in transformers); the kit's
+    byte tokenizer for a byte-level preset exported without tokenizer files."""
+    if (directory / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer.from_dir(directory)
+        if (directory / TEMPLATE_FILE).is_file():
+            tokenizer.chat_template = (directory / TEMPLATE_FILE).read_text()
+        return tokenizer
+    if vocab_size == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    raise FileNotFoundError(f"{directory} has no tokenizer.json and its vocabulary ({vocab_size}) is not the "
+                            "byte tokenizer's: copy the tokenizer files of the model it came from into it "
+                            "(hf.save_pretrained(..., source=...) does this).")
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the model saw prompts in training: one user turn through the chat
+    template, ending with the assistant's header; without a template, the raw text after
+    the tokenizer's bos (if it has one). The template writes its own bos where it has one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    has_bos = isinstance(tokenizer, ByteTokenizer) or tokenizer.special_tokens.get("bos_token") is not None
+    return ([tokenizer.bos_id] if has_bos else []) + tokenizer.encode(prompt)
+
+
+def complete(model_dir, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+             top_k: int | None = None, top_p: float | None = None, dtype: str = "float32") -> str:
+    """The model's completion of `prompt` (its text up to the first eos)."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: no such folder. Pass a folder written by "
+                                "hf.save_pretrained (--export-hf) or a Hugging Face checkpoint folder.")
+    graphdef, params, config = hf.load_pretrained(directory, dtype=dtype)
+    tokenizer = load_tokenizer(directory, config.vocab_size)
+    ids = prompt_ids(tokenizer, prompt)
+    if not ids:
+        raise ValueError("The prompt is empty and the model has no chat template or bos to start from.")
+    prompt_1xP = jnp.asarray([ids], jnp.int32)
+    tokens, mask, _ = sampler.generate(graphdef, params, prompt_1xP, jnp.ones_like(prompt_1xP),
+                                       jax.random.key(seed), max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_k=top_k, top_p=top_p,
+                                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    new = [int(t) for t, real in zip(tokens[0], mask[0]) if real and int(t) != tokenizer.eos_id]
+    return tokenizer.decode(new)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tunix_nb.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint folder (e.g. an --export-hf one)")
+    parser.add_argument("--prompt", required=True, help="the user's message (rendered with the chat template)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (used when temperature > 0)")
+    parser.add_argument("--dtype", default="float32", choices=hf.DTYPES, help="the parameters' dtype")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        text = complete(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        seed=args.seed, top_k=args.top_k, top_p=args.top_p, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as err:  # hf.CheckpointError is a ValueError
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
