@@ -395,14 +395,14 @@ def test_generate_samples_by_seed_and_reads_chat_template_jinja(exports, tmp_pat
     folder = Path(shutil.copytree(exports["qwen3_merged"], tmp_path / "jinja"))
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    (folder / generate.TEMPLATE_FILE).write_text(config.pop("chat_template"))  # as transformers 5 saves it
+    (folder / "chat_template.jinja").write_text(config.pop("chat_template"))  # as transformers 5 saves it
     config_path.write_text(json.dumps(config))
     tokenizer = generate.load_tokenizer(folder, 320)
     assert generate.prompt_ids(tokenizer, "add 2 3") == RECORD["bases"]["qwen3"]["chat_template_ids"]
     args = ("--model", str(folder), "--prompt", "add 2 3", "--max-new-tokens", "8", "--temperature", "1.5")
     runs = [run_generate(*args, "--seed", seed)[1] for seed in ("1", "1", "2")]
     assert runs[0] == runs[1] and runs[0] != runs[2]
-    (folder / generate.TEMPLATE_FILE).unlink()  # no template: the raw text (this tokenizer has no bos)
+    (folder / "chat_template.jinja").unlink()  # no template: the raw text (this tokenizer has no bos)
     assert generate.prompt_ids(generate.load_tokenizer(folder, 320), "add 2 3") == tokenizer.encode("add 2 3")
 
 

@@ -24,18 +24,13 @@ import jax.numpy as jnp
 from tunix_nb import hf, sampler
 from tunix_nb.tokenizer import ByteTokenizer, HFTokenizer
 
-TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 writes the chat template
-
 
 def load_tokenizer(directory: Path, vocab_size: int):
-    """The checkpoint's tokenizer (tokenizer.json), with its chat template from
-    chat_template.jinja when present (it takes precedence, as in transformers); the kit's
-    byte tokenizer for a byte-level preset exported without tokenizer files."""
+    """The checkpoint's tokenizer (tokenizer.json, with its chat template: HFTokenizer reads
+    chat_template.jinja first, as transformers does); the kit's byte tokenizer for a
+    byte-level preset exported without tokenizer files."""
     if (directory / "tokenizer.json").is_file():
-        tokenizer = HFTokenizer.from_dir(directory)
-        if (directory / TEMPLATE_FILE).is_file():
-            tokenizer.chat_template = (directory / TEMPLATE_FILE).read_text()
-        return tokenizer
+        return HFTokenizer.from_dir(directory)
     if vocab_size == ByteTokenizer.vocab_size:
         return ByteTokenizer()
     raise FileNotFoundError(f"{directory} has no tokenizer.json and its vocabulary ({vocab_size}) is not the "
