@@ -7,14 +7,15 @@ or a divergence summed over the vocabulary. So the functions here take the final
 states [B, L, D] (`model.hidden_states`) and the output head (`model.output_head`) and
 compute logits a chunk at a time:
 
-- over the vocabulary, `vocab_chunk` entries at a time: one pass keeps a running max
-  and sum of exponentials per position (the online log-sum-exp) and picks the target's
-  logit; a second pass, for a divergence or the entropy, recomputes each chunk's
-  log-probs from the normalisers and sums that chunk's terms. Both passes are a
+- over the vocabulary, `vocab_chunk` entries at a time: a first pass, without gradient,
+  finds each position's max logit (the shift); a second sums exp(logit - max) and picks
+  the target's logit, so log p = (logit - max) - log(sum), `jax.nn.log_softmax`'s own
+  formula and gradient; a third, for a divergence or the entropy, recomputes each
+  chunk's log-probs from these normalisers and sums that chunk's terms. Each pass is a
   `lax.scan` whose body is under `jax.checkpoint`, so the backward pass recomputes each
   chunk's logits too: no array larger than [B, L or seq_chunk, vocab_chunk] exists,
-  forward or backward. The running max is a stop-gradient shift, so the gradient of
-  log-sum-exp is exactly the softmax.
+  forward or backward. The price is compute: the head's product runs 2 (SFT) or 3
+  (distillation) times forward, and once more in the backward pass, instead of once.
 - over positions, `seq_chunk` per row at a time (`None`: all at once). Each row's
   loss positions (mask != 0) are first gathered to the front of the row, in order,
   and a chunk where no row has a loss position left is skipped (`lax.cond`): the
