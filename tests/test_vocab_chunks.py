@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import distill, dpo, grpo, losses, model, sampler, sft, vocab_chunks
+from tunix_nb import distill, dpo, grpo, lora, losses, model, sampler, sft, vocab_chunks
 
 B, L, V, T = 3, 21, 1000, 9
 CHUNKS = dict(vocab_chunk=128, seq_chunk=8)
@@ -230,3 +230,15 @@ def test_mismatched_shapes_name_both():
     with pytest.raises(ValueError, match="vocabulary has 1000 entries but the teacher's 500"):
         vocab_chunks.distillation_loss(hidden, head, hidden, model.output_head(other_graphdef, other_params),
                                        batch["targets"], batch["loss_mask"], chunks=chunks)
+
+
+def test_an_adapter_on_the_head_is_refused_and_lora_elsewhere_agrees():
+    graphdef, params = model.split(model.make_model("tiny", vocab_size=300, tie_embeddings=False))
+    batch = {k: v[:, :6] for k, v in rows(0, 300).items()}
+    on_head = lora.apply(graphdef, params, rank=2, targets=r".*(lm_head|attn/q)")
+    with pytest.raises(ValueError, match="leave the embedding and lm_head out of the LoRA targets"):
+        lora.objective(sft.objective(on_head[0], vocab_chunk=128))(on_head[1], batch, lora.frozen(on_head[2]))
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=2)
+    ref = lora.objective(sft.objective(lora_graphdef))(adapters, batch, lora.frozen(base))[0]
+    got = lora.objective(sft.objective(lora_graphdef, vocab_chunk=128, seq_chunk=2))(adapters, batch, lora.frozen(base))[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
