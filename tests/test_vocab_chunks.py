@@ -190,12 +190,13 @@ def test_loss_positions_only_get_logits():
     loss_mask = (jnp.arange(L)[None] // 4 == jnp.array([[1], [3], [4]])).astype(jnp.int32)
     hidden = model.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"])
     head = model.output_head(graphdef, params)
-    got = np.asarray(vocab_chunks.token_log_probs(hidden, head, batch["targets"], loss_mask,
-                                                  chunks=vocab_chunks.Chunking(128, 4)))
     ref = np.asarray(losses.token_log_probs(head.project(hidden), batch["targets"]))
     live = np.asarray(loss_mask) != 0
-    np.testing.assert_allclose(got[live], ref[live], rtol=1e-6)
-    assert np.all(ref[~live] < 0) and np.all(got[~live] == 0)  # never computed there
+    for vocab_chunk in (128, V):  # several vocabulary chunks, and one
+        got = np.asarray(vocab_chunks.token_log_probs(hidden, head, batch["targets"], loss_mask,
+                                                      chunks=vocab_chunks.Chunking(vocab_chunk, 4)))
+        np.testing.assert_allclose(got[live], ref[live], rtol=1e-6)
+        assert np.all(ref[~live] < 0) and np.all(got[~live] == 0)  # never computed there
     nll, count = vocab_chunks.sft_loss(hidden, head, batch["targets"], jnp.zeros((B, L)),
                                        chunks=vocab_chunks.Chunking(128, 4))
     assert float(nll) == 0.0 and float(count) == 0.0
