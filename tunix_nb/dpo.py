@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tunix_nb import losses
+from tunix_nb import losses, vocab_chunks
 from tunix_nb.batching import map_in_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
@@ -39,28 +39,35 @@ def _per_token(logps_B, mask_BxL):
     return logps_B / jnp.maximum(mask_BxL.sum(axis=-1), 1.0)
 
 
-def _pair_sums(graphdef, params, batch):
-    """(chosen, rejected) summed completion log-probs [B] each, from one forward pass."""
+def _pair_sums(graphdef, params, batch, chunks=None):
+    """(chosen, rejected) summed completion log-probs [B] each, from one forward pass
+    (`chunks`: from hidden states in chunks, `tunix_nb.vocab_chunks`)."""
     rows = _stacked_pair(batch)
-    logits_2BxLxV = model_lib.apply(graphdef, params, rows["inputs"], rows["attention_mask"])
-    logps_2B = losses.sequence_log_probs(logits_2BxLxV, rows["targets"], rows["loss_mask"])
+    if chunks is None:
+        logits_2BxLxV = model_lib.apply(graphdef, params, rows["inputs"], rows["attention_mask"])
+        logps_2B = losses.sequence_log_probs(logits_2BxLxV, rows["targets"], rows["loss_mask"])
+    else:
+        hidden_2BxLxD = model_lib.hidden_states(graphdef, params, rows["inputs"], rows["attention_mask"])
+        logps_2B = vocab_chunks.sequence_log_probs(hidden_2BxLxD, model_lib.output_head(graphdef, params),
+                                                   rows["targets"], rows["loss_mask"], chunks=chunks)
     chosen_B, rejected_B = jnp.split(logps_2B, 2)
     return chosen_B, rejected_B
 
 
-def pair_log_probs(graphdef, params, batch, *, length_normalize=False):
+def pair_log_probs(graphdef, params, batch, *, length_normalize=False, vocab_chunk=None, seq_chunk=None):
     """(chosen, rejected) completion log-probs [B] each, from one concatenated forward pass.
 
     `length_normalize=True` divides by the number of completion tokens (what IPO wants).
+    `vocab_chunk`/`seq_chunk`: chunked log-probs (`tunix_nb.vocab_chunks`); None: full logits.
     """
-    chosen_B, rejected_B = _pair_sums(graphdef, params, batch)
+    chosen_B, rejected_B = _pair_sums(graphdef, params, batch, vocab_chunks.chunking(vocab_chunk, seq_chunk))
     if length_normalize:
         return _per_token(chosen_B, batch["chosen_loss_mask"]), _per_token(rejected_B, batch["rejected_loss_mask"])
     return chosen_B, rejected_B
 
 
 def reference_log_probs(graphdef, params, pair_arrays, *, length_normalize=False, batch_size=256,
-                        compute_dtype="auto"):
+                        compute_dtype="auto", vocab_chunk=None, seq_chunk=None):
     """The frozen reference model's log-probs for every pair, computed once.
 
     Returns `pair_arrays` plus two [N] arrays, so that `data.batch_at` hands each DPO
@@ -68,9 +75,10 @@ def reference_log_probs(graphdef, params, pair_arrays, *, length_normalize=False
     (sums), or with `length_normalize=True` `ref_chosen_logps_per_token`/
     `ref_rejected_logps_per_token` (`REFERENCE_KEYS`). Call it once per kind to carry
     both. Pass the objective's `compute_dtype`: the reference must run in the policy's
-    precision, or policy and reference differ at step 0.
+    precision, or policy and reference differ at step 0. `vocab_chunk`/`seq_chunk` as in `objective`.
     """
-    fn = _jitted_reference(graphdef, length_normalize, resolve_compute_dtype(compute_dtype))
+    fn = _jitted_reference(graphdef, length_normalize, resolve_compute_dtype(compute_dtype),
+                           vocab_chunks.chunking(vocab_chunk, seq_chunk))
     rows = {k: pair_arrays[k] for k in _ROW_KEYS}
     chosen, rejected = map_in_chunks(lambda chunk: fn(params, chunk), rows, batch_size)
     chosen_key, rejected_key = REFERENCE_KEYS[length_normalize]
@@ -78,10 +86,11 @@ def reference_log_probs(graphdef, params, pair_arrays, *, length_normalize=False
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_reference(graphdef, length_normalize, compute_dtype):
-    """One compiled scorer per (model, kind, precision): repeated calls do not recompile."""
+def _jitted_reference(graphdef, length_normalize, compute_dtype, chunks=None):
+    """One compiled scorer per (model, kind, precision, chunking): repeated calls do not recompile."""
+    chunk_kwargs = {} if chunks is None else {"vocab_chunk": chunks.vocab_chunk, "seq_chunk": chunks.seq_chunk}
     return jax.jit(lambda p, b: pair_log_probs(graphdef, cast_floats(p, compute_dtype), b,
-                                               length_normalize=length_normalize))
+                                               length_normalize=length_normalize, **chunk_kwargs))
 
 
 def _cached_reference(batch, length_normalize):
@@ -103,7 +112,8 @@ def _cached_reference(batch, length_normalize):
 
 
 def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
-              length_normalize=False, cached_reference=True, sft_weight=0.0, compute_dtype="auto"):
+              length_normalize=False, cached_reference=True, sft_weight=0.0, compute_dtype="auto",
+              vocab_chunk=None, seq_chunk=None):
     """(policy params, batch, reference params or None) -> (loss sum, pairs B, metrics).
 
     With `cached_reference` the batch carries the reference log-probs of the objective's
@@ -120,8 +130,13 @@ def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
     their count), and `train.make_step` all-reduces each sum and count before dividing:
     the global batch's token mean on any number of devices (TRL on several GPUs averages
     per-device token means instead). The step reports them as "loss/dpo" and "loss/sft".
+
+    `vocab_chunk` (and `seq_chunk`): the log-probs from hidden states in chunks, logits
+    only at completion positions (`tunix_nb.vocab_chunks`); None, the default, builds the
+    full [2B, L, V] logits, the reference path. Compute a cached reference the same way.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
+    chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
     if loss_type not in losses.DPO_LOSS_TYPES:
         raise ValueError(f"Unknown loss_type {loss_type!r}; choose one of {losses.DPO_LOSS_TYPES}.")
 
@@ -132,11 +147,12 @@ def objective(graphdef, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
             raise ValueError("cached_reference=False runs the reference model in the step: pass its parameters "
                              "as the step's `frozen` (train.run(..., frozen=reference_params)).")
         return lax.stop_gradient(pair_log_probs(graphdef, cast_floats(reference_params, compute_dtype), batch,
-                                                length_normalize=length_normalize))
+                                                length_normalize=length_normalize, vocab_chunk=vocab_chunk,
+                                                seq_chunk=seq_chunk))
 
     def dpo_objective(params, batch, reference_params=None):
         ref_c, ref_r = reference(batch, reference_params)
-        sum_c, sum_r = _pair_sums(graphdef, cast_floats(params, compute_dtype), batch)
+        sum_c, sum_r = _pair_sums(graphdef, cast_floats(params, compute_dtype), batch, chunks)
         pi_c, pi_r = sum_c, sum_r
         if length_normalize:
             pi_c, pi_r = _per_token(sum_c, batch["chosen_loss_mask"]), _per_token(sum_r, batch["rejected_loss_mask"])

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tunix_nb import data, losses, parallel, sampler
+from tunix_nb import data, losses, parallel, sampler, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb import rewards as rewards_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
@@ -86,16 +86,37 @@ def training_rows(prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_B
             "completion_mask": completion_mask_BxT.astype(jnp.int32)}
 
 
-def completion_log_probs(graphdef, params, batch, *, with_entropy: bool = False):
+def completion_log_probs(graphdef, params, batch, *, with_entropy: bool = False, chunks=None):
     """Per-token log-probs [B, T] of the completion tokens, from one forward pass over
-    prompt + completion; with `with_entropy`, also the policy's entropy [B, T] there."""
+    prompt + completion; with `with_entropy`, also the policy's entropy [B, T] there.
+
+    `chunks` (`vocab_chunks.Chunking`): logits only at the last T positions (TRL's
+    `logits_to_keep`), in chunks; None: the full logits, then the last T (the reference)."""
     T = batch["completion_mask"].shape[1]
+    if chunks is not None and not _one_chunk(graphdef, params, chunks):
+        return _chunked_completion_log_probs(graphdef, params, batch, with_entropy, chunks)
     logits_BxTxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"])[:, -T:]
     logps_BxT = losses.token_log_probs(logits_BxTxV, batch["targets"][:, -T:])
     if not with_entropy:
         return logps_BxT
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
     return logps_BxT, -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
+
+
+def _one_chunk(graphdef, params, chunks):
+    """Whether one chunk covers the vocabulary and the positions: then the chunked path is the
+    reference's, which projects every position before slicing (a product of another shape
+    rounds differently, and the toy presets must train bit for bit as before)."""
+    return chunks.seq_chunk is None and model_lib.output_head(graphdef, params).weight_VxD.shape[0] <= chunks.vocab_chunk
+
+
+def _chunked_completion_log_probs(graphdef, params, batch, with_entropy, chunks):
+    T = batch["completion_mask"].shape[1]
+    hidden_BxTxD = model_lib.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"])[:, -T:]
+    args = (hidden_BxTxD, model_lib.output_head(graphdef, params), batch["targets"][:, -T:], batch["completion_mask"])
+    if with_entropy:
+        return vocab_chunks.log_probs_and_entropy(*args, chunks=chunks)
+    return vocab_chunks.token_log_probs(*args, chunks=chunks)
 
 
 def completion_texts(batch, tokenizer: Tokenizer | None = None) -> list[str]:
@@ -118,7 +139,8 @@ def completion_texts(batch, tokenizer: Tokenizer | None = None) -> list[str]:
 def make_sampler(graphdef, *, max_new_tokens: int = data.MAX_NEW_TOKENS, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, old_logps: bool = False,
                  ref_logps: bool = False, compute_dtype="auto", eos_id: int = 2, pad_id: int = 0,
-                 parallel_mode: str = "jit", mesh=None) -> Callable:
+                 parallel_mode: str = "jit", mesh=None, vocab_chunk: int | None = None,
+                 seq_chunk: int | None = None) -> Callable:
     """`sample(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2) -> dict of host arrays`.
 
     Samples one completion per row (row i with its own key) and returns the training
@@ -133,8 +155,10 @@ def make_sampler(graphdef, *, max_new_tokens: int = data.MAX_NEW_TOKENS, tempera
     no collective, so the three differ only in where the state lies: under fsdp the
     params are all-gathered before sampling). B must divide by the device count; the
     prompts arrive as host arrays, and the result returns as host arrays, the global batch.
+    `vocab_chunk`/`seq_chunk`: the log-probs in chunks, as the objective's (`completion_log_probs`).
     """
     dtype = resolve_compute_dtype(compute_dtype)
+    chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
     sampler.check_sampling(temperature, top_k, top_p)
     generate = functools.partial(sampler.generate, graphdef, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
@@ -144,9 +168,9 @@ def make_sampler(graphdef, *, max_new_tokens: int = data.MAX_NEW_TOKENS, tempera
         out = generate(policy, prompt_BxP, prompt_mask_BxP, jax.random.wrap_key_data(key_data_Bx2))
         rows = training_rows(prompt_BxP, prompt_mask_BxP, out.tokens, out.mask)
         if old_logps:
-            rows["old_logps"] = completion_log_probs(graphdef, policy, rows)
+            rows["old_logps"] = completion_log_probs(graphdef, policy, rows, chunks=chunks)
         if ref_logps:
-            rows["ref_logps"] = completion_log_probs(graphdef, cast_floats(reference, dtype), rows)
+            rows["ref_logps"] = completion_log_probs(graphdef, cast_floats(reference, dtype), rows, chunks=chunks)
         return jax.tree.map(lax.stop_gradient, rows)
 
     if parallel_mode == "jit":
@@ -228,16 +252,18 @@ def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.Rew
                  beta: float = 0.04, max_new_tokens: int = data.MAX_NEW_TOKENS, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, compute_dtype="auto",
                  parallel_mode: str = "jit", mesh=None, tokenizer: Tokenizer | None = None,
-                 prompt_len: int = data.DEFAULT_PROMPT_LEN, rows: dict | None = None) -> Callable:
+                 prompt_len: int = data.DEFAULT_PROMPT_LEN, rows: dict | None = None,
+                 vocab_chunk: int | None = None, seq_chunk: int | None = None) -> Callable:
     """`rollout_fn(step, params, reference) -> (batch, metrics)`, for `train.run_on_policy`.
 
     Step s draws `batch_size` prompts from `examples` (`data.batch_at` with `seed`: each
     epoch visits every example once) and samples G = `group_size` completions each,
     with `rollout_keys(seed, s, batch_size * group_size)`: a pure function of (params,
     seed, step). It computes `old_logps` when `num_iterations > 1` and `ref_logps` when
-    `beta > 0`. `parallel_mode` and `mesh` must be the step's (see `make_sampler`).
-    `rows`: the prompts already encoded (`user_data.prompt_arrays(...).arrays`, e.g. rendered
-    through a chat template), one per example; default `prompt_rows(examples, tokenizer, prompt_len)`.
+    `beta > 0`. `parallel_mode` and `mesh` must be the step's (see `make_sampler`);
+    `vocab_chunk`/`seq_chunk` should be the objective's. `rows`: the prompts already encoded
+    (`user_data.prompt_arrays(...).arrays`, e.g. rendered through a chat template), one per
+    example; default `prompt_rows(examples, tokenizer, prompt_len)`.
     """
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
         raise ValueError(f"group_size must be an int >= 2, got {group_size!r}: an advantage compares a "
@@ -253,7 +279,7 @@ def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.Rew
     sample = make_sampler(graphdef, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                           top_p=top_p, old_logps=num_iterations > 1, ref_logps=beta > 0,
                           compute_dtype=compute_dtype, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                          parallel_mode=parallel_mode, mesh=mesh)
+                          parallel_mode=parallel_mode, mesh=mesh, vocab_chunk=vocab_chunk, seq_chunk=seq_chunk)
 
     def rollout_fn(step, params, reference):
         picked = data.batch_at(rows, step, batch_size, seed=seed)
@@ -269,7 +295,8 @@ def make_rollout(graphdef, examples: Sequence[dict], reward_set: rewards_lib.Rew
 
 
 def objective(graphdef, *, epsilon=0.2, epsilon_high=None, beta=0.04, kl_estimator="low_var_kl",
-              aggregation="sequence-mean-token-mean", max_completion_length=None, compute_dtype="auto"):
+              aggregation="sequence-mean-token-mean", max_completion_length=None, compute_dtype="auto",
+              vocab_chunk=None, seq_chunk=None):
     """(policy params, rollout batch, frozen) -> (loss sum, weight, metrics), by `losses.grpo_loss`.
 
     The policy's per-token log-probs of the completions (`completion_log_probs`, in
@@ -282,8 +309,13 @@ def objective(graphdef, *, epsilon=0.2, epsilon_high=None, beta=0.04, kl_estimat
     reports the global batch's token mean on any device count: "kl", "clip_ratio",
     "clip_ratio/low_mean", "clip_ratio/high_mean", "is_ratio/mean" (`losses.grpo_loss`)
     and "entropy", the policy's mean per-token entropy on the completions (TRL's name).
+
+    `vocab_chunk` (and `seq_chunk`): log-probs and entropy from the hidden states of the
+    completion positions only, in chunks (`tunix_nb.vocab_chunks`); None, the default, is
+    the full-logits reference. Make the rollout with the same values.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
+    chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
     kwargs = dict(epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, kl_estimator=kl_estimator,
                   aggregation=aggregation, max_completion_length=max_completion_length)
     # fail here, not at the first step: grpo_loss's own checks, on placeholder shapes
@@ -295,7 +327,7 @@ def objective(graphdef, *, epsilon=0.2, epsilon_high=None, beta=0.04, kl_estimat
             raise ValueError(f"beta={beta} needs the reference's log-probs in the batch (`ref_logps`): make "
                              "the rollout with the same beta (make_rollout(..., beta=beta)), or set beta=0.")
         logps_BxT, entropy_BxT = completion_log_probs(graphdef, cast_floats(params, compute_dtype), batch,
-                                                      with_entropy=True)
+                                                      with_entropy=True, chunks=chunks)
         mask_BxT = batch["completion_mask"]
         loss_sum, weight, metrics = losses.grpo_loss(
             logps_BxT, batch.get("old_logps"), batch.get("ref_logps"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -290,12 +291,21 @@ class Transformer(nnx.Module):
         """Logits [B, L, V] float32. `segment_ids_BxL` (packed rows, `tunix_nb.packing`): a
         token attends only to earlier tokens of its own segment (1, 2, ...; 0 is padding),
         and positions restart per segment unless `positions_BxL` gives them."""
+        return self.project(self.hidden_states(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
+                                               positions_BxL=positions_BxL))
+
+    def hidden_states(self, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
+        """The final-normed hidden states [B, L, D] in the compute dtype: everything but the head.
+
+        `project` turns them into logits; a loss that reads a few positions, or the
+        vocabulary in chunks (`tunix_nb.vocab_chunks`), projects only what it needs.
+        """
         if tokens_BxL.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens_BxL.shape}.")
         if segment_ids_BxL is not None or positions_BxL is not None:
             allowed_BxLxL, positions_BxL = segment_attention(
                 tokens_BxL.shape, attention_mask_BxL, segment_ids_BxL, positions_BxL)
-            return self._run(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
+            return self._hidden(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
         if attention_mask_BxL is None:
             attention_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
         real_BxL = attention_mask_BxL.astype(bool)
@@ -304,10 +314,32 @@ class Transformer(nnx.Module):
         L = tokens_BxL.shape[1]
         causal_LxL = jnp.tril(jnp.ones((L, L), bool))
         allowed_BxLxL = causal_LxL[None] & real_BxL[:, None, :]
-        return self._run(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
+        return self._hidden(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
 
-    def _run(self, tokens_BxL, positions_BxL, allowed_BxLxS, caches=None, index=None):
-        """(logits [B, L, V] float32, the caches with these tokens written in, or None)."""
+    def project(self, x_BxLxD):
+        """The output head: hidden states [..., D] -> logits [..., V] float32 (tied embedding or lm_head)."""
+        logits = self.embed.attend(x_BxLxD) if self.lm_head is None else self.lm_head(x_BxLxD)
+        # Logits in float32 for the losses.
+        return logits.astype(jnp.float32)
+
+    def head_weight(self):
+        """The head's weight as [V, D] (the tied embedding, or lm_head's kernel transposed):
+        logits = x @ weight.T, what `project` computes, for a loss that slices the vocabulary."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        weight = self.embed.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
+        # An adapter or a quantised kernel on the head would be bypassed by slicing its weight.
+        if jax.tree.leaves(nnx.state(head, nnx.LoRAParam)) or not isinstance(weight, jax.Array) or weight.ndim != 2:
+            raise ValueError("the output head carries an adapter or a quantised kernel: leave the embedding and "
+                             "lm_head out of the LoRA targets (lora.DEFAULT_TARGETS does), or use vocab_chunk=None.")
+        return weight if self.lm_head is None else weight.T
+
+    def _run(self, tokens_BxL, positions_BxL, allowed_BxLxS, caches=None, index=None, last_only=False):
+        """(logits [B, L, V] float32 (L = 1 with `last_only`), the caches with these tokens written in, or None)."""
+        x, caches = self._hidden(tokens_BxL, positions_BxL, allowed_BxLxS, caches, index)
+        return self.project(x[:, -1:] if last_only else x), caches
+
+    def _hidden(self, tokens_BxL, positions_BxL, allowed_BxLxS, caches=None, index=None):
+        """(final-normed hidden states [B, L, D], the caches with these tokens written in, or None)."""
         x = self.embed(tokens_BxL)
         if caches is None and self.cfg.remat:  # a training pass: no cache to fill
             for block in self.blocks:
@@ -317,11 +349,7 @@ class Transformer(nnx.Module):
             caches = [None] * len(self.blocks) if caches is None else list(caches)
             for i, block in enumerate(self.blocks):
                 x, caches[i] = block(x, positions_BxL, allowed_BxLxS, caches[i], index)
-        x = self.final_norm(x)
-        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        # Logits in float32 for the losses.
-        logits = logits.astype(jnp.float32)
-        return logits, None if caches[0] is None else caches
+        return self.final_norm(x), None if caches[0] is None else caches
 
     def init_cache(self, batch_size: int, max_len: int) -> dict:
         """An empty key/value cache of `max_len` slots per row, in the compute dtype.
@@ -335,8 +363,11 @@ class Transformer(nnx.Module):
         layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in self.blocks]
         return {"layers": layers, "mask": jnp.zeros((batch_size, max_len), jnp.int32)}
 
-    def extend(self, tokens_BxL, attention_mask_BxL, cache, index):
+    def extend(self, tokens_BxL, attention_mask_BxL, cache, index, *, last_only=False):
         """Run L new tokens against a cache holding slots [0, index): (logits [B, L, V], cache).
+
+        `last_only`: logits of the last position only, [B, 1, V] (a prefill samples from
+        nothing else, so the other L - 1 positions get no logits).
 
         Writes the tokens into slots [index, index + L). Positions and masking are those
         `__call__` gives the same tokens in one sequence (positions count real tokens, a
@@ -351,7 +382,7 @@ class Transformer(nnx.Module):
         mask_BxS = jax.lax.dynamic_update_slice(cache["mask"], real_BxL, (0, index))
         causal_LxS = jnp.arange(S)[None, :] <= index + jnp.arange(L)[:, None]
         allowed_BxLxS = causal_LxS[None] & mask_BxS.astype(bool)[:, None, :]
-        logits, layers = self._run(tokens_BxL, positions_BxL, allowed_BxLxS, cache["layers"], index)
+        logits, layers = self._run(tokens_BxL, positions_BxL, allowed_BxLxS, cache["layers"], index, last_only)
         return logits, {"layers": layers, "mask": mask_BxS}
 
 
@@ -368,10 +399,34 @@ def split(model: Transformer):
 def apply(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
     """Pure forward pass: logits [B, L, V] from a parameter pytree (packed rows: see
     `Transformer.__call__`)."""
-    if segment_ids_BxL is None and positions_BxL is None:  # the unpacked call, exactly as before
-        return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL)
     return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
                                        positions_BxL=positions_BxL)
+
+
+def hidden_states(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None,
+                  positions_BxL=None):
+    """Pure forward pass up to the final norm: hidden states [B, L, D] (see `Transformer.hidden_states`)."""
+    return nnx.merge(graphdef, params).hidden_states(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
+                                                     positions_BxL=positions_BxL)
+
+
+class OutputHead(NamedTuple):
+    """The output projection, for losses that compute logits where and as they need them.
+
+    `project(x [..., D]) -> logits [..., V] float32` is exactly the model's own head;
+    `weight_VxD` is its weight (logits = x @ weight.T) in the parameters' dtype, and
+    `dtype` the compute dtype of the product (None: promote x and the weight).
+    """
+
+    project: Callable
+    weight_VxD: jax.Array
+    dtype: Any
+
+
+def output_head(graphdef, params) -> OutputHead:
+    """The model's output head (tied embedding or lm_head) from a parameter pytree."""
+    module = nnx.merge(graphdef, params)
+    return OutputHead(module.project, module.head_weight(), module.cfg.dtype)
 
 
 def init_cache(graphdef, params, batch_size: int, max_len: int) -> dict:
@@ -379,9 +434,10 @@ def init_cache(graphdef, params, batch_size: int, max_len: int) -> dict:
     return nnx.merge(graphdef, params).init_cache(batch_size, max_len)
 
 
-def extend(graphdef, params, tokens_BxL, attention_mask_BxL, cache, index):
-    """Pure cached forward pass: (logits [B, L, V], cache) (see `Transformer.extend`)."""
-    return nnx.merge(graphdef, params).extend(tokens_BxL, attention_mask_BxL, cache, index)
+def extend(graphdef, params, tokens_BxL, attention_mask_BxL, cache, index, *, last_only=False):
+    """Pure cached forward pass: (logits [B, L, V] or [B, 1, V] with `last_only`, cache)
+    (see `Transformer.extend`)."""
+    return nnx.merge(graphdef, params).extend(tokens_BxL, attention_mask_BxL, cache, index, last_only=last_only)
 
 
 def with_remat(graphdef, params, remat: bool = True):

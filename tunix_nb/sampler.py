@@ -77,7 +77,8 @@ def sample_token(logits_BxV, key, *, temperature: float = 1.0, top_k: int | None
 
 def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int = 2, pad_id: int = 0, cache_size: int | None = None) -> Completions:
+             eos_id: int = 2, pad_id: int = 0, cache_size: int | None = None,
+             prefill_logits: str = "all") -> Completions:
     """Sample `max_new_tokens` tokens after left-padded prompts, with a KV cache.
 
     Prompts are left-padded, as `data.prompt_arrays` makes them (every row's last prompt
@@ -95,7 +96,15 @@ def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_toke
 
     `cache_size` (default P + max_new_tokens) is the cache's slots per row; it must hold
     the prompt and the new tokens.
+
+    `prefill_logits="last"` computes the prefill's logits at the last prompt position
+    only, the one sampled from: no [B, P, V] array (for a real vocabulary, gigabytes).
+    "all", the default, projects every prompt position, as before: the last position's
+    logits then round as they always did (a product of another shape can differ in the
+    last bit, and the lessons' stored samples must not move).
     """
+    if prefill_logits not in ("all", "last"):
+        raise ValueError(f"prefill_logits must be 'all' or 'last', got {prefill_logits!r}.")
     check_sampling(temperature, top_k, top_p)
     if prompt_BxP.ndim != 2 or prompt_mask_BxP.shape != prompt_BxP.shape:
         raise ValueError(f"prompt must be [batch, length] with a mask of the same shape; got "
@@ -112,7 +121,7 @@ def generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_toke
     return _generate(graphdef, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), key,
                      max_new_tokens=T, temperature=float(temperature),
                      top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
-                     eos_id=eos_id, pad_id=pad_id, cache_size=cache_size)
+                     eos_id=eos_id, pad_id=pad_id, cache_size=cache_size, last_only=prefill_logits == "last")
 
 
 def _row_keys_or_key(key, batch_size: int):
@@ -145,13 +154,14 @@ def _check_left_padded(prompt_mask_BxP) -> None:
 
 # eos_id and pad_id are traced: changing them does not recompile.
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
-                                             "cache_size"))
+                                             "cache_size", "last_only"))
 def _generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tokens, temperature, top_k,
-              top_p, eos_id, pad_id, cache_size) -> Completions:
+              top_p, eos_id, pad_id, cache_size, last_only=False) -> Completions:
     B, P = prompt_BxP.shape
     T = max_new_tokens
     cache = model_lib.init_cache(graphdef, params, B, cache_size)
-    logits_BxPxV, cache = model_lib.extend(graphdef, params, prompt_BxP, prompt_mask_BxP, cache, 0)  # prefill
+    # prefill; with last_only the other positions, never sampled from, get no logits
+    logits, cache = model_lib.extend(graphdef, params, prompt_BxP, prompt_mask_BxP, cache, 0, last_only=last_only)
 
     sample = functools.partial(sample_token, temperature=temperature, top_k=top_k, top_p=top_p)
     row_keys = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
@@ -175,7 +185,7 @@ def _generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tok
 
     out = (jnp.full((B, T), pad_id, prompt_BxP.dtype), jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.float32))
     done_B = jnp.zeros((B,), bool)
-    token_B, logp_B, real_B = pick(0, logits_BxPxV[:, -1], done_B)
+    token_B, logp_B, real_B = pick(0, logits[:, -1], done_B)
     out = write(out, 0, token_B, logp_B, real_B)
 
     def step(t, carry):  # decode: feed token t-1 (at slot P + t - 1), pick token t

@@ -11,22 +11,31 @@ import functools
 
 import jax
 
-from tunix_nb import losses
+from tunix_nb import losses, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
 
-def objective(graphdef, *, compute_dtype="auto"):
+def objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk=None):
     """(params, batch, frozen) -> (NLL summed over completion tokens, token count, {}).
 
     `compute_dtype`: "auto" computes in bfloat16 on TPU/GPU and float32 on CPU, with
     float32 parameters either way; pass jnp.float32 or jnp.bfloat16 to choose.
+    `vocab_chunk` (and `seq_chunk`): compute the NLL from the hidden states in chunks,
+    logits only at completion positions (`tunix_nb.vocab_chunks`); None, the default,
+    builds the full [B, L, V] logits, the reference path.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
+    chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
 
     def sft_objective(params, batch, frozen=None):
-        logits_BxLxV = model_lib.apply(graphdef, cast_floats(params, compute_dtype), batch["inputs"],
-                                       batch["attention_mask"])
+        params = cast_floats(params, compute_dtype)
+        if chunks is not None:
+            hidden_BxLxD = model_lib.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"])
+            nll_sum, count = vocab_chunks.sft_loss(hidden_BxLxD, model_lib.output_head(graphdef, params),
+                                                   batch["targets"], batch["loss_mask"], chunks=chunks)
+            return nll_sum, count, {}
+        logits_BxLxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"])
         nll_sum, count = losses.sft_loss(logits_BxLxV, batch["targets"], batch["loss_mask"])
         return nll_sum, count, {}
 
