@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,7 @@ def test_flags_are_the_config_fields_with_their_defaults_help_and_choices(comman
     (["dpo", "--reward-funcs", "m:f"], "--reward-funcs applies only to grpo, not dpo"),
     (["distill", "--lora-rank", "2"], "--lora-rank applies only to sft, dpo, grpo, not distill"),
     (["sft", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--model", "tiny", "sft"], "the command comes first, then its flags: python -m tunix_nb.train sft --model tiny"),
     (["sft", "--report-to", "wandb"], "argument --report-to: 'wandb': give distinct names from jsonl, tensorboard"),
     (["sft", "--metrics-file", "m.jsonl", "--report-to", "tensorboard", "--logging-dir", "tb"],
      "--metrics-file is the jsonl tracker's file, but --report-to tensorboard leaves it out"),
@@ -202,7 +204,8 @@ def reward_module(tmp_path, monkeypatch):
     """my_rewards.py in the working directory, as a user writes it."""
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    yield tmp_path
+    sys.modules.pop("my_rewards", None)  # the next test's my_rewards.py is another file
 
 
 def _grpo(tiny_sft, *flags):

@@ -140,6 +140,11 @@ def _flags_of(parser: argparse.ArgumentParser) -> set[str]:
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """The flags; another command's flag is an error naming the commands it applies to."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):  # as before the subcommands
+        command = next((a for a in argv if a in COMMANDS), None)
+        rest = " ".join(a for a in argv if a != command)
+        parser.error(f"the command comes first, then its flags: {PROG} {command or '{sft,distill,dpo,grpo}'} {rest}")
     args, extras = parser.parse_known_args(argv)
     if extras:
         sub = command_parser(parser, args.command)
