@@ -183,9 +183,7 @@ def test_the_training_command_accumulates_to_the_same_run(tiny, tmp_path, capsys
 def test_a_checkpoint_from_before_grad_accum_still_resumes():
     from tunix_nb import cli as cli_module
 
-    config = cli_module.RunConfig(command="sft", model="tiny", teacher=None, init_from=None, beta=None,
-                                  loss_type=None, sft_weight=None, length_normalize=None, steps=4, batch_size=16,
-                                  seed=0, learning_rate=3e-3, warmup_steps=0, compute_dtype="float32")
-    older = {k: v for k, v in cli_module.dataclasses.asdict(config).items()
-             if k not in ("grad_accum", *cli_module.LORA_FLAGS)}
+    config = cli_module.config_from_argv(["sft", "--model", "tiny", "--steps", "4", "--batch-size", "16",
+                                          "--warmup-steps", "0", "--compute-dtype", "float32"])
+    older = {k: v for k, v in config.record().items() if k not in ("grad_accum", *cli_module.LORA_FLAGS)}
     assert config.clashes_with(older) == {}

@@ -9,14 +9,41 @@ examples: the step all-reduces the sum and the example count and divides once.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+from typing import ClassVar
+
 import jax.numpy as jnp
 from jax import lax
 
 from tunix_nb import checkpoint, data, losses, vocab_chunks
 from tunix_nb import model as model_lib
+from tunix_nb.config_flags import number, option
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
 TEACHER_DIR = data.DATA_DIR / "teacher"  # the teacher shipped with the kit
+
+
+def _divergence(text: str) -> float:
+    value = number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1] for distill (0 forward KL, 1 reverse KL)")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """`python -m tunix_nb.train distill`'s own options (Tunix's DistillationTrainer); its on-policy
+    options are `gkd.GKDConfig`. beta None (offline, forward KL) is recorded as before GKD existed."""
+
+    DEFAULT_LEARNING_RATE: ClassVar[float] = 3e-3
+    SUMMARY: ClassVar[str] = "logit distillation from a teacher (offline, or on-policy with --lmbda: GKD)"
+
+    teacher: str | None = option(help="the teacher's checkpoint directory (default: the teacher shipped in "
+                                 "data/teacher)")
+    init_from: str | None = option(help="the checkpoint the student starts from (default: a fresh model)")
+    beta: float | None = option(type=_divergence, help="the divergence, 0 forward KL, 1 reverse KL, between the "
+                                "generalized JSD (default: 0)")
 
 
 def load_teacher(ckpt_dir=TEACHER_DIR):

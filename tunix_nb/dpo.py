@@ -10,7 +10,9 @@ policy == reference, every margin is 0 and the sigmoid loss is ln 2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from jax import lax
 
 from tunix_nb import losses, vocab_chunks
 from tunix_nb.batching import map_in_chunks
+from tunix_nb.config_flags import non_negative_float, option, positive_float
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
@@ -27,6 +30,23 @@ REFERENCE_KEYS = {False: ("ref_chosen_logps", "ref_rejected_logps"),
                   True: ("ref_chosen_logps_per_token", "ref_rejected_logps_per_token")}
 _ROW_KEYS = tuple(f"{side}_{k}" for side in ("chosen", "rejected")
                   for k in ("inputs", "targets", "loss_mask", "attention_mask"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """`python -m tunix_nb.train dpo`'s own options (TRL's DPOConfig, Tunix's DpoTrainingConfig)."""
+
+    DEFAULT_LEARNING_RATE: ClassVar[float] = 1e-3
+    SUMMARY: ClassVar[str] = "preference pairs, from an SFT checkpoint"
+
+    init_from: str | None = option(help="the SFT checkpoint the policy and the frozen reference start from "
+                                   "(default: the SFT student shipped in data/sft_student)")
+    beta: float = option(0.1, type=positive_float, help="strength of the pull towards the reference, > 0")
+    loss_type: str = option("sigmoid", choices=losses.DPO_LOSS_TYPES, help="sigmoid (DPO), ipo or hinge (SLiC)")
+    sft_weight: float = option(0.0, type=non_negative_float,
+                               help="weight of an SFT term on the chosen answers (RPO) (default: 0)")
+    length_normalize: bool = option(False, switch=True, help="compare per-token mean log-probs instead of "
+                                    "sums (what IPO wants)")
 
 
 def _stacked_pair(batch):

@@ -30,12 +30,61 @@ returns a `rollout_fn` for `train.run_on_policy`, with the teacher as its `froze
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
 
 from tunix_nb import data, grpo
+from tunix_nb.config_flags import number, option, positive_float, positive_int
 from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
+
+DEFAULT_TEMPERATURE, DEFAULT_MAX_NEW_TOKENS = 1.0, 8  # as grpo.GRPOConfig's
+
+
+def _share(text: str) -> float:
+    value = number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is a share of steps, in [0, 1]")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class GKDConfig:
+    """On-policy distillation's options (`distill --lmbda ...`; TRL's GKDConfig). All None is offline
+    distillation, recorded as before GKD existed; `resolved` fills in what a sampling run uses."""
+
+    TITLE = "on-policy distillation (GKD, as TRL's GKDTrainer)"
+    DESCRIPTION = ("batches whose completions the student samples itself (--temperature, --max-new-tokens), "
+                   "scored by the teacher with --beta's divergence")
+
+    lmbda: float | None = option(type=_share, help="share of steps whose batch the student samples, in [0, 1] "
+                                 "(default: 0, offline)")
+    seq_kd: bool | None = option(None, switch=True, help="the other steps train on the teacher's greedy answers "
+                                 "instead of the dataset's")
+    temperature: float | None = option(type=positive_float, help=f"sampling temperature, > 0 (default: "
+                                       f"{DEFAULT_TEMPERATURE}; needs --lmbda > 0)")
+    max_new_tokens: int | None = option(type=positive_int, help=f"tokens sampled per completion (default: "
+                                        f"{DEFAULT_MAX_NEW_TOKENS}; needs --lmbda > 0 or --seq-kd)")
+
+    def resolved(self, beta: float | None) -> tuple["GKDConfig", float | None]:
+        """(this config, distill's beta) with defaults filled in: all None when nothing is sampled
+        and beta is 0 (offline distillation, as before), else numbers. Raises ValueError naming
+        a sampling flag given where nothing samples."""
+        lmbda, seq_kd = self.lmbda or 0.0, bool(self.seq_kd)
+        if self.temperature is not None and lmbda == 0:
+            raise ValueError("--temperature samples the student's batches: it needs --lmbda > 0")
+        if self.max_new_tokens is not None and lmbda == 0 and not seq_kd:
+            raise ValueError("--max-new-tokens needs --lmbda > 0 or --seq-kd: offline distillation samples nothing")
+        if lmbda == 0 and not seq_kd and not beta:
+            return GKDConfig(), None
+        return GKDConfig(
+            lmbda=float(lmbda), seq_kd=seq_kd,
+            temperature=(self.temperature or DEFAULT_TEMPERATURE) if lmbda > 0 else None,
+            max_new_tokens=(self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS) if lmbda > 0 or seq_kd else None,
+        ), float(beta or 0.0)
+
 
 _COIN = 0x6B64  # the coin's own stream: it never shares draws with the data order or sampling
 

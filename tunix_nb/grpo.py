@@ -27,8 +27,9 @@ and 8 draw the same completions, and a run resumed at step s draws what it would
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, ClassVar, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +40,66 @@ from jax.sharding import PartitionSpec as P
 from tunix_nb import data, losses, parallel, sampler, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb import rewards as rewards_lib
+from tunix_nb.config_flags import non_negative_float, option, positive_float, positive_int
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 
 # The reward functions the command line can name (`--rewards`).
 REWARD_FUNCTIONS = {"exact_match": rewards_lib.exact_match, "char_match": rewards_lib.char_match,
                     "well_formed": rewards_lib.well_formed}
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """`python -m tunix_nb.train grpo`'s own options (TRL's GRPOConfig, Tunix's GrpoConfig); the
+    defaults are TRL's and Tunix's where they agree (beta 0.04, epsilon 0.2; G 8 as TRL)."""
+
+    DEFAULT_LEARNING_RATE: ClassVar[float] = 3e-4
+    SUMMARY: ClassVar[str] = ("reinforcement learning with verifiable rewards, from an SFT checkpoint: each step "
+                              "samples --group-size completions for each of --batch-size prompts, scores them, "
+                              "and updates --num-iterations times on them")
+
+    init_from: str | None = option(help="the SFT checkpoint the policy and the frozen reference start from "
+                                   "(default: the SFT student shipped in data/sft_student)")
+    beta: float = option(0.04, type=non_negative_float, help="weight of the KL penalty to the reference, 0 for none")
+    group_size: int = option(8, type=positive_int, help="completions per prompt, G >= 2")
+    epsilon: float = option(0.2, type=positive_float, help="clip range of the ratio, below 1")
+    epsilon_high: float | None = option(type=positive_float, help="clip range above 1 (DAPO's clip-higher) "
+                                        "(default: --epsilon)")
+    advantage: str = option("grpo", choices=losses.ADVANTAGE_ESTIMATORS,
+                            help="group advantage: grpo (std-normalised), rloo (leave-one-out) or drgrpo (no std)")
+    aggregation: str = option("sequence-mean-token-mean", choices=losses.GRPO_AGGREGATIONS,
+                              help="how token losses become the loss (TRL's grpo; token-mean is DAPO's, "
+                                   "sequence-mean-token-scale Dr. GRPO's)")
+    kl_estimator: str = option("low_var_kl", choices=losses.KL_ESTIMATORS,
+                               help="per-token KL estimate: kl (k1), mse_kl (k2), low_var_kl (k3)")
+    num_iterations: int = option(1, type=positive_int, help="updates per rollout batch, Tunix's "
+                                 "num_iterations (mu)")
+    temperature: float = option(1.0, type=positive_float, help="sampling temperature, > 0")
+    max_new_tokens: int = option(8, type=positive_int, help="tokens sampled per completion")
+    rewards: str | None = option("exact_match,char_match", help="comma-separated built-in reward functions, "
+                                 f"summed: {', '.join(REWARD_FUNCTIONS)}; '' for none (with --reward-funcs)")
+    reward_funcs: str | None = option(metavar="MODULE:FUNCTION,...", help="your own reward functions, summed "
+                                      "with --rewards: TRL's signature fn(prompts, completions, **columns) -> "
+                                      "list[float], imported from the module (a dotted name on sys.path or the "
+                                      "working directory); each logs rewards/<function>/mean")
+
+    def check(self) -> None:
+        """Settings that cannot train: a ValueError naming the flag and the fix."""
+        if self.group_size < 2:
+            raise ValueError(f"--group-size {self.group_size} must be at least 2: an advantage compares a "
+                             "completion with the other completions of its prompt")
+        if self.reward_names is None or (not self.reward_names and not self.reward_funcs):
+            raise ValueError(f"--rewards {self.rewards!r}: give distinct names from "
+                             f"{', '.join(REWARD_FUNCTIONS)}, separated by commas")
+
+    @property
+    def reward_names(self) -> list[str] | None:
+        """The built-in reward names of --rewards, or None if one is unknown or repeated."""
+        names = [n.strip() for n in (self.rewards or "").split(",") if n.strip()]
+        if any(n not in REWARD_FUNCTIONS for n in names) or len(set(names)) != len(names):
+            return None
+        return names
 
 
 # ------------------------------------------------------------------ prompts and keys

@@ -19,11 +19,14 @@ argument, where no gradient reaches it. Any method's objective works unchanged:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+
+from tunix_nb.config_flags import option, positive_float, positive_int
 
 # Tunix's examples adapt every projection of attention and the MLP, with alpha = rank
 # (their Gemma GRPO example: rank 64, alpha 64.0), so the adapters' scale is 1.
@@ -31,6 +34,41 @@ DEFAULT_TARGETS = r".*(attn/(q|k|v|out)|mlp/(gate|up|down))"
 DEFAULT_RANK = 8
 QUANTIZE = ("none", "nf4", "int8")
 DEFAULT_TILE_SIZE = 32  # values per quantisation scale (nf4/int8), along each kernel's input axis
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA / QLoRA's options (sft, dpo, grpo; PEFT's LoraConfig, qwix's LoraProvider). All None:
+    every parameter trains; `resolved` fills in alpha, targets and quantize once a rank is given."""
+
+    TITLE = "LoRA / QLoRA"
+    DESCRIPTION = ("train low-rank adapters on a frozen base; checkpoints hold the adapters and their "
+                   "optimizer state, --export-params the merged model")
+
+    lora_rank: int | None = option(type=positive_int, help="train LoRA adapters of this rank instead of every "
+                                   "parameter (default: off, full fine-tuning)")
+    lora_alpha: float | None = option(type=positive_float, help="the adapters' scale is alpha / rank (default: "
+                                      "the rank, as Tunix's examples)")
+    lora_targets: str | None = option(help=f"regex of the layers that get adapters (default: {DEFAULT_TARGETS}, "
+                                      "every projection)")
+    quantize: str | None = option(choices=QUANTIZE, help="store the frozen base quantised: nf4 is QLoRA "
+                                  "(default: none)")
+
+    def resolved(self) -> "LoRAConfig":
+        """The defaults filled in; a ValueError naming the flag for options without a rank or a bad regex."""
+        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "quantize")
+                 if getattr(self, n) is not None]
+        if self.lora_rank is None:
+            if given:
+                raise ValueError(f"{', '.join(given)} need(s) --lora-rank: LoRA is off without it")
+            return self
+        targets = self.lora_targets or DEFAULT_TARGETS
+        try:
+            re.compile(targets)
+        except re.error as err:
+            raise ValueError(f"--lora-targets {targets!r} is not a regular expression ({err})")
+        return LoRAConfig(self.lora_rank, float(self.lora_rank) if self.lora_alpha is None else self.lora_alpha,
+                          targets, self.quantize or "none")
 
 
 def provider(*, rank: int, alpha: float | None = None, targets: str = DEFAULT_TARGETS, quantize: str = "none",

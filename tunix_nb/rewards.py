@@ -22,9 +22,12 @@ name. Tunix passes every column through.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
+import os
 import string
+import sys
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -32,6 +35,10 @@ import numpy as np
 from tunix_nb.data import TASKS
 
 RewardFn = Callable[..., Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward function that returned something other than one finite number per completion."""
 
 # The characters each sub-task's answer is made of.
 ALPHABETS = {
@@ -163,12 +170,13 @@ class RewardSet:
         try:
             out = np.asarray(values, np.float32)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"reward function {name!r} must return numbers, got {values!r}") from e
+            raise RewardError(f"reward function {name!r} must return numbers, got {values!r}") from e
         if out.shape != (n,):
-            raise ValueError(f"reward function {name!r} returned shape {out.shape} for {n} "
-                             "completions: return one reward per completion")
+            raise RewardError(f"reward function {name!r} returned shape {out.shape} for {n} "
+                              "completions: return one reward per completion")
         if not np.all(np.isfinite(out)):
-            raise ValueError(f"reward function {name!r} returned a non-finite reward: {values!r}")
+            raise RewardError(f"reward function {name!r} returned a non-finite reward: {values!r}; return a "
+                              "finite number for every completion (0.0 where it does not apply)")
         return out
 
     def __repr__(self):
@@ -204,3 +212,46 @@ def reward_metrics(rewards: Rewards, group_size: int) -> dict[str, float]:
     groups = rewards.total.reshape(-1, group_size)
     out["frac_reward_zero_std"] = float(np.mean(groups.max(axis=1) == groups.min(axis=1)))
     return out
+
+
+def load_reward_funcs(spec: str) -> dict[str, RewardFn]:
+    """{function name: function} of 'module:function,...' (`--reward-funcs`), as TRL's
+    `reward_funcs` takes them: each `fn(prompts, completions, **columns) -> list[float]`.
+
+    A module is a dotted name on sys.path or a `module.py` in the working directory.
+    Raises ValueError naming the entry and the fix: no colon, a module that does not
+    import, a missing or non-callable function, two functions of one name.
+    """
+    funcs = {}
+    for entry in (e.strip() for e in spec.split(",") if e.strip()):
+        module_name, _, fn_name = entry.partition(":")
+        if not module_name or not fn_name.isidentifier():
+            raise ValueError(f"--reward-funcs {entry!r}: write MODULE:FUNCTION, e.g. my_rewards:length_penalty "
+                             "for the function length_penalty in my_rewards.py")
+        fn = getattr(_import_reward_module(entry, module_name), fn_name, None)
+        if not callable(fn):
+            raise ValueError(f"--reward-funcs {entry!r}: module {module_name!r} has no function {fn_name!r}; "
+                             "define it there as fn(prompts, completions, **columns) -> list[float]")
+        if fn_name in funcs:
+            raise ValueError(f"--reward-funcs {entry!r}: two reward functions named {fn_name!r}; each logs "
+                             "rewards/<name>, so give them distinct names")
+        funcs[fn_name] = fn
+    if not funcs:
+        raise ValueError(f"--reward-funcs {spec!r} names no function; write MODULE:FUNCTION,...")
+    return funcs
+
+
+def _import_reward_module(entry: str, module_name: str):
+    """Import `module_name`, looking in the working directory too (as `python -m` does)."""
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except Exception as err:  # not found, or the module itself fails: either way the user's fix
+        raise ValueError(f"--reward-funcs {entry!r}: could not import module {module_name!r} "
+                         f"({type(err).__name__}: {err}); put {module_name.replace('.', '/')}.py in the working "
+                         "directory or on PYTHONPATH") from err
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())

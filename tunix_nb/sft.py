@@ -7,13 +7,24 @@ all-reduces both and divides once: the global batch's token mean on any device c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 
 from tunix_nb import losses, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """`python -m tunix_nb.train sft`'s own options (as TRL's SFTConfig): none beyond the shared
+    ones (`train.config`) and LoRA's (`lora.LoRAConfig`)."""
+
+    DEFAULT_LEARNING_RATE: ClassVar[float] = 3e-3
+    SUMMARY: ClassVar[str] = "supervised fine-tuning on prompt/completion pairs"
 
 
 def objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk=None):

@@ -1,0 +1,137 @@
+"""The options every method shares: the model, the optimisation, checkpoints, tracking, processes.
+
+Each is a dataclass whose fields are the flags of `python -m tunix_nb.train` (through
+`tunix_nb.config_flags.option`); a method's own options live in its module (`dpo.DPOConfig`,
+...). Fields marked run-defining are recorded in each checkpoint: resuming with other
+values would be another run. Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tunix_nb.config_flags import option, positive_float, positive_int
+from tunix_nb.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S
+
+# train.PARALLEL_MODES, spelled out: the parser is built before JAX may start.
+PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
+MESH_CHOICES = ("shard_map", "dp", "fsdp")  # parallel.MESH_MODES: the strategies that span processes
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16")
+TRACKERS = ("jsonl", "tensorboard")  # tunix_nb.tracking
+
+
+def _trackers(text: str) -> str:
+    """--report-to: distinct names from TRACKERS, comma-separated, kept as one cleaned-up string."""
+    import argparse
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in TRACKERS for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct names from {', '.join(TRACKERS)}, "
+                                         "separated by commas")
+    return ",".join(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSourceConfig:
+    """Which model trains, and the dtype its parameters are kept in."""
+
+    model: str | None = option(help="a preset (tiny, student, teacher), a local Hugging Face checkpoint folder "
+                               "(config.json, *.safetensors, tokenizer.json), or a Hub id such as Qwen/Qwen3-0.6B "
+                               "(online) (default: student; dpo, grpo: the preset of the --init-from checkpoint)")
+    revision: str | None = option(run_defining=False, help="with a Hub id: the branch, tag or commit to download "
+                                  "(default: main; the run records the files' hash, not the revision)")
+    dtype: str = option("float32", choices=PARAM_DTYPES,
+                        help="the dtype the parameters are kept in; with --lora-rank the frozen base's "
+                             "(the adapters stay float32)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """The optimisation and the loop: what every method's run shares."""
+
+    steps: int = option(300, type=positive_int,
+                        help="total training steps (grpo: rollouts, each followed by --num-iterations updates)")
+    batch_size: int = option(64, type=positive_int, help="global batch size (examples, pairs for dpo, prompts "
+                             "for grpo), split over the devices")
+    seed: int = option(0, type=int, help="seed of the initial params and the data order")
+    learning_rate: float | None = option(type=positive_float, help="peak learning rate")
+    warmup_steps: int | None = option(type=int, help="linear warmup steps (default: 10% of --steps, at most 20; "
+                                      "grpo: counted in rollouts, the schedule in updates)")
+    grad_accum: int = option(1, type=positive_int, help="split each device's share of the batch into K "
+                             "micro-batches, summed and divided once: the same update with one micro-batch's "
+                             "activations at a time")
+    remat: bool = option(False, switch=True, run_defining=False,
+                         help="rematerialise each block: keep only its input for the backward pass and "
+                              "recompute the rest, trading about one more forward pass for activation memory "
+                              "(the same update; a run may resume with or without it)")
+    compute_dtype: str = option("auto", choices=COMPUTE_DTYPES,
+                                help="auto: float32 on CPU, bfloat16 on TPU/GPU (params stay in --dtype)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often the run saves, and what it does at the end."""
+
+    ckpt_dir: str | None = option(help="where to save checkpoints; resumes from the newest one there")
+    save_every: int = option(50, type=positive_int, help="save every K steps (and at the last step), "
+                             "asynchronously")
+    keep: int = option(3, type=positive_int, help="keep the newest N checkpoints")
+    sync_save: bool = option(False, switch=True, help="block training while a checkpoint is written "
+                             "(default: write in the background)")
+    stop_after: int | None = option(type=positive_int, help="stop after this step, saving a checkpoint there, "
+                                    "as if preempted; run the same command again (without it) to resume")
+    export_params: str | None = option(help="at the end, also write a params-only checkpoint here")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackingConfig:
+    """Metrics and evaluation during training."""
+
+    metrics_file: str | None = option(help="write one JSON line per step (step, loss, ...)")
+    report_to: str = option("jsonl", type=_trackers, metavar="{jsonl,tensorboard}",
+                            help="where the metrics go, comma-separated: jsonl (--metrics-file) and/or "
+                                 "tensorboard (event files in --logging-dir)")
+    logging_dir: str | None = option(help="tensorboard: the event files' folder (default: "
+                                     "<--ckpt-dir>/tensorboard)")
+    eval_every: int | None = option(type=positive_int, help="every N steps, the eval loss on the eval split "
+                                    "(metric eval/loss); with --ckpt-dir the best checkpoint by it is kept in "
+                                    "<--ckpt-dir>/best (default: off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """Devices and parallelism."""
+
+    devices: int | None = option(type=positive_int, help="on CPU, simulate N devices (per process, with "
+                                 "several processes)")
+    parallel: str = option("jit", choices=PARALLEL_CHOICES,
+                           help="jit: one device; pmap: data parallel, replicated state; shard_map: the pmap "
+                                "step on a Mesh; dp: jit with a batch-sharded NamedSharding; fsdp: dp with "
+                                "params and optimizer state sharded too. Checkpoints restore under any of them")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+    """Several processes: one per host (python -m tunix_nb.launch starts them on one machine)."""
+
+    coordinator: str | None = option(metavar="HOST:PORT", help="address of process 0, where JAX's "
+                                     "coordination service listens")
+    num_processes: int | None = option(type=positive_int, help="how many processes take part")
+    process_id: int | None = option(type=int, help="this process's index, 0 ... --num-processes - 1")
+    distributed: bool = option(False, switch=True, help="join a multi-process run whose coordinator, process "
+                               "count and index JAX detects (Cloud TPU pod slice, SLURM, Open MPI, Kubernetes)")
+    heartbeat_timeout: int = option(DEFAULT_HEARTBEAT_TIMEOUT_S, type=positive_int, help="seconds after which a silent process counts "
+                                    "as dead and the others stop")
+
+
+# Shared options, in the order --help lists them: (config class, group title, group description).
+SHARED_OPTIONS = (
+    (ModelSourceConfig, "model", None),
+    (TrainingConfig, "training", None),
+    (CheckpointConfig, "checkpoints", None),
+    (TrackingConfig, "tracking and evaluation", None),
+    (DeviceConfig, "devices", None),
+    (ProcessConfig, "several processes", "one process per host (python -m tunix_nb.launch starts them on one "
+     "machine); needs --parallel dp, fsdp or shard_map"),
+)
