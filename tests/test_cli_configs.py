@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, cli, config_flags, distill, dpo, gkd, grpo, lora, model_source, sft, tracking
+from tunix_nb import checkpoint, cli, config_flags, distill, dpo, gkd, grpo, hf, lora, sft, tracking
 from tunix_nb.train import config as train_config
 
 TINY = ["--model", "tiny", "--batch-size", "8"]
@@ -132,30 +132,19 @@ def test_a_run_from_before_the_subcommands_resumes_bitwise(tmp_path):
 # ------------------------------------------------------------------ --model and --dtype
 
 
-def test_content_hash_follows_the_files_not_the_folder(tmp_path):
-    shutil.copytree(QWEN3, tmp_path / "copy")
-    assert model_source.content_hash(tmp_path / "copy") == model_source.content_hash(QWEN3)
-    config = json.loads((tmp_path / "copy" / "config.json").read_text())
-    (tmp_path / "copy" / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
-    assert model_source.content_hash(tmp_path / "copy") != model_source.content_hash(QWEN3)
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
-        model_source.content_hash(tmp_path / "empty")
-
-
 def test_hf_model_trains_records_its_hash_and_resume_refuses_other_weights(tmp_path, capsys):
     shutil.copytree(QWEN3, tmp_path / "model")
     run = ["sft", "--model", tmp_path / "model", "--batch-size", "8", "--steps", "2", "--save-every", "1",
            "--lora-rank", "2", "--ckpt-dir", tmp_path / "run"]
     assert _run([*run, "--stop-after", "1"]) == 0
     config = checkpoint.load_meta(tmp_path / "run")["config"]
-    want = model_source.content_hash(QWEN3)
+    want = hf.source_fingerprint(QWEN3)
     assert config["model"] == cli.HF_MODEL and config["model_sha256"] == want
     assert str(tmp_path) not in json.dumps(config)  # the folder is not what identifies the model
     with (tmp_path / "model" / "model.safetensors").open("r+b") as f:  # other weights, same folder
         f.seek(-4, 2)
         f.write(b"\x01\x02\x03\x04")
-    changed = model_source.content_hash(tmp_path / "model")
+    changed = hf.source_fingerprint(tmp_path / "model")
     assert _run(run) == 2
     err = capsys.readouterr().err
     assert f"hash to {want}, --model {tmp_path / 'model'} to {changed}" in err and "Nothing was changed" in err

@@ -176,3 +176,34 @@ def test_adapters_stay_float32_on_a_bfloat16_base(tmp_path):
     out = hf.save_merged(tmp_path, lora_graphdef, nudged(adapters), base, alpha=4.0)
     _, reloaded, _ = hf.load_pretrained(out)
     assert {x.dtype for x in jax.tree.leaves(reloaded)} == {jnp.dtype("bfloat16")}
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_every_entry_into_the_model_runs_the_adapters(tiny, quantize):
+    """qwix intercepts `__call__` only: the hidden states (vocab_chunks' path) and the cached
+    pass (the sampler's) enter through it too, so they compute the adapted model, not the base."""
+    graphdef, params = tiny
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=8.0, quantize=quantize)
+    adapted = lora.combine(nudged(adapters), base)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 200 + 3
+    logits = model.apply(lora_graphdef, adapted, tokens)
+    base_logits = model.apply(lora_graphdef, lora.combine(adapters, base), tokens)
+    assert float(jnp.abs(logits - base_logits).max()) > 0.1  # the adapters change the model
+    hidden = model.hidden_states(lora_graphdef, adapted, tokens)
+    np.testing.assert_array_equal(model.output_head(lora_graphdef, adapted).project(hidden), logits)
+    cache = model.init_cache(lora_graphdef, adapted, 2, 8)
+    cached, _ = model.extend(lora_graphdef, adapted, tokens, jnp.ones_like(tokens), cache, 0)
+    np.testing.assert_allclose(cached, logits, atol=1e-5)
+
+
+def test_chunked_sft_gradients_reach_the_adapters(tiny):
+    graphdef, params = tiny
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
+    batch = data.batch_at(data.sft_arrays(data.load_sft()[:16], ByteTokenizer(), data.DEFAULT_SEQ_LEN), 0, 8, seed=0)
+    grads = [jax.grad(lambda a: (lambda s, n, _: s / n)(*lora.objective(sft_method.objective(
+        lora_graphdef, compute_dtype=jnp.float32, vocab_chunk=chunk))(a, batch, lora.frozen(base))))(adapters)
+        for chunk in (None, 64)]
+    largest = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads[0]))
+    assert largest > 0
+    for full, chunked in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(chunked, full, rtol=0, atol=2e-6 * largest)  # vocab_chunks' gradient bound

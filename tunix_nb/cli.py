@@ -5,8 +5,8 @@ One subcommand per method: `python -m tunix_nb.train dpo --help` lists DPO's opt
 flag is a field of a config dataclass (`tunix_nb.config_flags`): `sft.SFTConfig`,
 `dpo.DPOConfig`, `grpo.GRPOConfig`, `distill.DistillConfig` with `gkd.GKDConfig`,
 `lora.LoRAConfig` (sft, dpo, grpo), and the shared `train.config.TrainingConfig`,
-`ModelSourceConfig`, `CheckpointConfig`, `TrackingConfig`, `DeviceConfig`,
-`ProcessConfig`. The run config saved in each checkpoint (`RunConfig.record`) is made
+`ModelSourceConfig`, `DataConfig`, `MemoryConfig`, `CheckpointConfig`, `TrackingConfig`,
+`DeviceConfig`, `ProcessConfig`. The run config saved in each checkpoint (`RunConfig.record`) is made
 of those configs' run-defining fields.
 
 It saves the training state with Orbax every --save-every steps (in the background),
@@ -60,7 +60,7 @@ from tunix_nb import config_flags, devices, distill, distributed, dpo, gkd, grpo
 from tunix_nb.gkd import GKDConfig
 from tunix_nb.lora import LoRAConfig
 from tunix_nb.train.config import (  # noqa: F401  (PARALLEL_CHOICES: re-exported, as before)
-    MESH_CHOICES, PARALLEL_CHOICES, SHARED_OPTIONS, ModelSourceConfig, TrainingConfig)
+    MESH_CHOICES, PARALLEL_CHOICES, SHARED_OPTIONS, DataConfig, MemoryConfig, ModelSourceConfig, TrainingConfig)
 
 PROG = "python -m tunix_nb.train"
 COMMANDS = ("sft", "distill", "dpo", "grpo")
@@ -74,13 +74,15 @@ LORA_DEFAULT_TARGETS = lora.DEFAULT_TARGETS
 HF_MODEL = "huggingface"  # RunConfig.model of a Hugging Face checkpoint (model_sha256 says which)
 # What defines a run: resuming with other values would be a different run.
 RUN_DEFINING = ("command", "model", *dict.fromkeys(
-    name for cls in (TrainingConfig, ModelSourceConfig, *METHOD_CONFIGS.values(), gkd.GKDConfig, lora.LoRAConfig)
-    for name in config_flags.run_defining_names(cls) if name != "model"), "model_sha256")
+    name for cls in (TrainingConfig, ModelSourceConfig, DataConfig, *METHOD_CONFIGS.values(), gkd.GKDConfig,
+                     lora.LoRAConfig)
+    for name in config_flags.run_defining_names(cls) if name != "model"), "model_sha256", "data_sha256")
 # The fields of a saved run config, in the flat layout checkpoints have always held: every
 # command's fields, None where the command has none.
 RECORD_FIELDS = ("command", "model", *dict.fromkeys(
-    f.name for cls in (*METHOD_CONFIGS.values(), TrainingConfig, gkd.GKDConfig, lora.LoRAConfig, ModelSourceConfig)
-    for f in config_flags.option_fields(cls) if f.name != "model"), "model_sha256")
+    f.name for cls in (*METHOD_CONFIGS.values(), TrainingConfig, gkd.GKDConfig, lora.LoRAConfig, ModelSourceConfig,
+                       DataConfig)
+    for f in config_flags.option_fields(cls) if f.name != "model"), "model_sha256", "data_sha256")
 # A field a checkpoint's config lacks (it predates the field) counts as this value: the
 # run it describes used it.
 OLDER_RUN_DEFAULTS = {"grad_accum": 1, "remat": False, "dtype": "float32"}
@@ -178,6 +180,7 @@ def check_flags(args) -> None:
         raise FlagError("--stop-after needs --ckpt-dir: the run saves a checkpoint there to resume from")
     _check_process_flags(args)
     _check_tracking_flags(args)
+    _check_data_and_export_flags(args)
     if args.command in LORA_COMMANDS and args.lora_rank is not None and args.distributed:
         raise FlagError("--lora-rank runs in one process: drop --distributed and the process flags, and use "
                         "--devices with any --parallel")
@@ -191,6 +194,29 @@ def check_flags(args) -> None:
     if args.distributed and args.parallel not in MESH_CHOICES:
         raise FlagError(f"--parallel {args.parallel} runs within one process; with several processes use "
                         f"one of {', '.join(MESH_CHOICES)}")
+
+
+def _check_data_and_export_flags(args) -> None:
+    if args.eval_file and not args.train_file:
+        raise FlagError("--eval-file goes with --train-file (without it the shipped task's eval split is used)")
+    if args.train_file and args.eval_every is not None and not args.eval_file:
+        raise FlagError("--eval-every with --train-file needs --eval-file: the split to score, in the same format")
+    if args.max_length is not None and not args.train_file:
+        raise FlagError("--max-length applies to --train-file's rows (the shipped task has its own length)")
+    if args.command == "distill" and args.train_file and (args.lmbda or args.seq_kd):
+        raise FlagError("on-policy distillation (--lmbda, --seq-kd) samples from the shipped task's prompts; with "
+                        "--train-file use offline distillation (--lmbda 0, no --seq-kd)")
+    if args.seq_chunk is not None and args.vocab_chunk is None:
+        raise FlagError("--seq-chunk needs --vocab-chunk (the positions are taken in chunks within the "
+                        "vocabulary-chunked path)")
+    if args.export_adapter and getattr(args, "lora_rank", None) is None:
+        raise FlagError("--export-adapter writes LoRA adapters: add --lora-rank (or use --export-hf for the "
+                        "whole model)")
+    if (args.export_hf or args.export_adapter) and args.distributed:
+        raise FlagError("--export-hf / --export-adapter write from one process; drop them, and export the run's "
+                        "final checkpoint afterwards in one process (hf.save_pretrained, peft_adapter.save_adapter)")
+    if (args.export_dtype or args.max_shard_size) and not args.export_hf:
+        raise FlagError("--export-dtype and --max-shard-size shape --export-hf's folder: add --export-hf DIR")
 
 
 def _check_process_flags(args) -> None:
@@ -237,15 +263,19 @@ class RunConfig:
     lora: LoRAConfig = LoRAConfig()  # resolved; all None: every parameter trains
     gkd: GKDConfig | None = None  # distill only (resolved; all None: offline)
     model_dir: str | None = None  # a Hugging Face checkpoint's local folder (not recorded: the hash is)
-    model_sha256: str | None = None  # model_source.content_hash of that folder
+    model_sha256: str | None = None  # hf.source_fingerprint of that folder
+    data: DataConfig = DataConfig()
+    data_sha256: str | None = None  # the --train-file's content hash (None: the shipped task)
+    memory: MemoryConfig = MemoryConfig()
 
     def record(self) -> dict:
         """The flat run config saved in checkpoints (the layout of runs before the subcommands)."""
         record = dict.fromkeys(RECORD_FIELDS)
-        parts = [self.method, self.training, self.lora, self.gkd, self.source]
+        parts = [self.method, self.training, self.lora, self.gkd, self.source, self.data]
         for part in filter(None, parts):
             record.update({f.name: getattr(part, f.name) for f in config_flags.option_fields(type(part))})
-        record.update(command=self.command, model=self.model, model_sha256=self.model_sha256)
+        record.update(command=self.command, model=self.model, model_sha256=self.model_sha256,
+                      data_sha256=self.data_sha256)
         return record
 
     def clashes_with(self, saved: dict) -> dict:
@@ -303,16 +333,40 @@ def resolve_config(args) -> RunConfig:
             method = dataclasses.replace(method, rewards=",".join(method.reward_names))
     except ValueError as err:
         raise FlagError(str(err))
+    data_config = config_flags.from_args(DataConfig, args)
     return RunConfig(command=args.command, model=model_name, training=training, method=method,
                      source=config_flags.from_args(ModelSourceConfig, args, model=args.model),
                      lora=lora_config, gkd=gkd_config, model_dir=model_dir and str(model_dir),
-                     model_sha256=model_sha256)
+                     model_sha256=model_sha256, data=data_config, data_sha256=data_hash(data_config.train_file),
+                     memory=config_flags.from_args(MemoryConfig, args))
+
+
+def data_hash(train_file: str | None) -> str | None:
+    """sha256 of a local --train-file's bytes (a resume with other data is refused); a Hub
+    dataset id is recorded as itself; None for the shipped task."""
+    import hashlib
+
+    if train_file is None:
+        return None
+    path = Path(train_file)
+    if not path.is_file():
+        return f"hub:{train_file}" if train_file.count("/") == 1 and not path.exists() else _missing(train_file)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def _missing(train_file: str):
+    raise FlagError(f"--train-file {train_file}: no such file; give a .jsonl, .json or .parquet file, or a Hub "
+                    "dataset id such as trl-lib/Capybara")
 
 
 def resolve_model(name: str | None, revision: str | None):
     """(preset or HF_MODEL or None (not given), local folder or None, content hash or None) of --model:
     a preset, a local Hugging Face checkpoint folder, or a Hub id (downloaded at --revision)."""
-    from tunix_nb import model, model_source
+    from tunix_nb import hf, model
 
     if name is None or name in model.PRESETS:
         if revision is not None:
@@ -326,9 +380,9 @@ def resolve_model(name: str | None, revision: str | None):
                         "checkpoint folder (config.json, *.safetensors, tokenizer.json) or a Hub id such as "
                         "Qwen/Qwen3-0.6B")
     try:
-        directory = path if path.is_dir() else model_source.download(name, revision)
-        return HF_MODEL, directory, model_source.content_hash(directory)
-    except FileNotFoundError as err:
+        directory = hf.resolve(name, revision=revision)
+        return HF_MODEL, directory, hf.source_fingerprint(directory)
+    except (hf.CheckpointError, FileNotFoundError) as err:
         raise FlagError(f"--model {name}: {err}")
 
 
@@ -416,6 +470,7 @@ class Method:
     # the eval split's rows, which `objective` scores (with --eval-every; None: no eval loss)
     eval_rows: dict | None = None
     tokenizer: object = None
+    lora_alpha: float | None = None  # LoRA: the adapters' alpha (scale alpha / rank), for --export-adapter
 
 
 @dataclasses.dataclass
@@ -512,8 +567,7 @@ def _rematerialised(graphdef, params):
 
 
 def training_examples(config: RunConfig, split: str = "train") -> list[dict]:
-    """The method's examples of `split` ("train" or "eval"): the shipped task's. Extension point:
-    --train-file / --eval-file route here."""
+    """The shipped task's examples of `split` ("train" or "eval") for the method."""
     from tunix_nb import data
 
     if config.command == "dpo":
@@ -521,11 +575,35 @@ def training_examples(config: RunConfig, split: str = "train") -> list[dict]:
     return data.load_sft(data.DATA_DIR / f"sft_{split}.jsonl")
 
 
+def user_file(config: RunConfig, split: str = "train") -> str | None:
+    """--train-file or --eval-file (None: the shipped task's split)."""
+    return config.data.train_file if split == "train" else config.data.eval_file
+
+
+def encoded_user_data(config: RunConfig, tokenizer, split: str = "train"):
+    """--train-file / --eval-file through tunix_nb.user_data (TRL's formats, the chat template,
+    --max-length's truncation policy): a user_data.Encoded, its cut rows reported."""
+    from tunix_nb import data, user_data
+
+    source = user_file(config, split)
+    encode = user_data.ENCODERS["dpo" if config.command == "dpo" else "grpo" if config.command == "grpo" else "sft"]
+    try:
+        encoded = encode(source, tokenizer, max_length=config.data.max_length)
+    except (data.DataError, FileNotFoundError, ValueError) as err:
+        raise RunError(f"--{'train' if split == 'train' else 'eval'}-file: {err}")
+    if encoded.n_cut:
+        _say(f"{source}: {encoded.n_cut} rows lost the beginning of their prompt to fit --max-length "
+             f"{config.data.max_length}")
+    return encoded
+
+
 def training_arrays(config: RunConfig, tokenizer, split: str = "train", examples=None) -> dict:
     """The rows the method trains (or evaluates) on, as arrays: prompt/completion rows (sft,
-    distill), preference pairs (dpo) or prompts (grpo). Extension point, as `training_examples`."""
+    distill), preference pairs (dpo) or prompts (grpo); from --train-file / --eval-file when given."""
     from tunix_nb import data
 
+    if user_file(config, split) is not None:
+        return encoded_user_data(config, tokenizer, split).arrays
     examples = training_examples(config, split) if examples is None else examples
     if config.command == "dpo":
         return data.preference_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
@@ -550,8 +628,9 @@ def build_method(config: RunConfig, *, with_eval: bool = False) -> Method:
 def _sft_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
     t = trainable(config, graphdef, params)
     return Method(t.graphdef, t.params, training_arrays(config, tokenizer),
-                  t.objective(sft.objective(t.graphdef, compute_dtype=dtype)), frozen=t.frozen(),
-                  exportable=t.exportable, eval_rows=training_arrays(config, tokenizer, "eval") if with_eval else None)
+                  t.objective(sft.objective(t.graphdef, compute_dtype=dtype, **chunks_of(config))), frozen=t.frozen(),
+                  exportable=t.exportable, eval_rows=training_arrays(config, tokenizer, "eval") if with_eval else None,
+                  lora_alpha=t.alpha)
 
 
 def _dpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
@@ -559,38 +638,45 @@ def _dpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method
 
     def with_reference(rows):  # cached once: the reference never changes (LoRA: the base, adapters off)
         return dpo.reference_log_probs(t.graphdef, t.reference(), rows, length_normalize=options.length_normalize,
-                                       compute_dtype=dtype)
+                                       compute_dtype=dtype, **chunks_of(config))
 
     objective = dpo.objective(t.graphdef, beta=options.beta, loss_type=options.loss_type,
                               sft_weight=options.sft_weight, length_normalize=options.length_normalize,
-                              compute_dtype=dtype)
+                              compute_dtype=dtype, **chunks_of(config))
     eval_rows = with_reference(training_arrays(config, tokenizer, "eval")) if with_eval else None
     return Method(t.graphdef, t.params, with_reference(training_arrays(config, tokenizer)), t.objective(objective),
-                  frozen=t.frozen(), exportable=t.exportable, eval_rows=eval_rows)
+                  frozen=t.frozen(), exportable=t.exportable, eval_rows=eval_rows, lora_alpha=t.alpha)
 
 
 def _grpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
     from tunix_nb import lora
 
     t, options = trainable(config, graphdef, params), config.method  # the SFT checkpoint stays as the reference
-    examples = training_examples(config)
+    if config.data.train_file is None:
+        examples, rows = training_examples(config), None
+    else:  # the prompts as the chat template renders them; every column reaches the rewards
+        encoded = encoded_user_data(config, tokenizer)
+        examples, rows = encoded.examples, encoded.arrays
     reward_set = make_reward_set(options, examples)
     objective = grpo.objective(t.graphdef, epsilon=options.epsilon, epsilon_high=options.epsilon_high,
                                beta=options.beta, kl_estimator=options.kl_estimator,
-                               aggregation=options.aggregation, compute_dtype=dtype)
+                               aggregation=options.aggregation, compute_dtype=dtype, **chunks_of(config))
 
     def make_rollout(parallel_mode, mesh):
         rollout_fn = grpo.make_rollout(
             t.graphdef, examples, reward_set, batch_size=config.batch_size, group_size=options.group_size,
             seed=config.seed, estimator=options.advantage, num_iterations=options.num_iterations,
             beta=options.beta, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
-            compute_dtype=dtype, parallel_mode=parallel_mode, mesh=mesh, tokenizer=tokenizer)
+            compute_dtype=dtype, parallel_mode=parallel_mode, mesh=mesh, tokenizer=tokenizer, rows=rows,
+            **chunks_of(config))
         # with LoRA the reference is the base itself: no second copy of the weights
         return lora.rollout(rollout_fn, with_reference=options.beta > 0) if t.lora else rollout_fn
 
     reference = t.params if options.beta > 0 and not t.lora else None
-    return Method(t.graphdef, t.params, training_arrays(config, tokenizer, examples=examples), t.objective(objective),
-                  frozen=t.frozen(), make_rollout=make_rollout, reference=reference, exportable=t.exportable)
+    rows = training_arrays(config, tokenizer, examples=examples) if rows is None else rows
+    return Method(t.graphdef, t.params, rows, t.objective(objective),
+                  frozen=t.frozen(), make_rollout=make_rollout, reference=reference, exportable=t.exportable,
+                  lora_alpha=t.alpha)
 
 
 def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
@@ -598,7 +684,8 @@ def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Me
     rows = training_arrays(config, tokenizer)
     eval_rows = training_arrays(config, tokenizer, "eval") if with_eval else None
     teacher_graphdef, teacher_params = distill.load_teacher(options.teacher)
-    objective = distill.objective(graphdef, teacher_graphdef, beta=options.beta or 0.0, compute_dtype=dtype)
+    objective = distill.objective(graphdef, teacher_graphdef, beta=options.beta or 0.0, compute_dtype=dtype,
+                                  **chunks_of(config))
     if not (sampling.lmbda or sampling.seq_kd):  # offline: the dataset's answers
         return Method(graphdef, params, rows, objective, frozen=teacher_params, eval_rows=eval_rows)
 
@@ -611,6 +698,11 @@ def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Me
 
     return Method(graphdef, params, rows, objective, frozen=teacher_params, make_rollout=make_batches,
                   eval_rows=eval_rows)
+
+
+def chunks_of(config: RunConfig) -> dict:
+    """--vocab-chunk / --seq-chunk as the objectives' keywords (tunix_nb.vocab_chunks)."""
+    return {"vocab_chunk": config.memory.vocab_chunk, "seq_chunk": config.memory.seq_chunk}
 
 
 def make_reward_set(options: grpo.GRPOConfig, examples):
@@ -636,13 +728,15 @@ def make_reward_set(options: grpo.GRPOConfig, examples):
 
 
 def _try_rewards(reward_set, examples) -> None:
-    """Call the reward functions on `examples` with their reference answers as the completions:
+    """Call the reward functions on `examples` with their reference answers (or empty strings) as the completions:
     a function that fails, or returns the wrong length or NaN, stops the run before it starts."""
     from tunix_nb import rewards
 
     columns = {k: [e[k] for e in examples] for k in examples[0] if k != "prompt"}
+    # the reference answers where the data has them (the shipped task), else empty completions
+    completions = [e.get("completion", "") for e in examples]
     try:
-        reward_set([e["prompt"] for e in examples], [e["completion"] for e in examples], **columns)
+        reward_set([e["prompt"] for e in examples], completions, **columns)
     except rewards.RewardError as err:
         raise RunError(f"--reward-funcs: {err} (tried on the first {len(examples)} examples, their reference "
                        "answers as the completions). Nothing was changed.")
@@ -847,6 +941,28 @@ def _process_rows(mesh, batch_size):
     return parallel.process_rows(mesh, batch_size) if mesh is not None else None
 
 
+def export_folders(args, config: RunConfig, method: Method, params) -> None:
+    """--export-hf: a Hugging Face folder (LoRA merged, the source's config fields and tokenizer
+    files); --export-adapter: the LoRA adapters as a PEFT adapter folder."""
+    from flax import nnx
+
+    from tunix_nb import hf, peft_adapter
+
+    if not (args.export_hf or args.export_adapter):
+        return
+    graphdef, plain = method.exportable(params) if method.exportable is not None else (method.graphdef, params)
+    model_config = nnx.merge(graphdef, plain).cfg
+    if args.export_hf:
+        hf.save_pretrained(args.export_hf, graphdef, plain, model_config, source=config.model_dir,
+                           dtype=args.export_dtype or config.source.dtype, max_shard_size=args.max_shard_size)
+        _say(f"Wrote a Hugging Face checkpoint to {args.export_hf}")
+    if args.export_adapter:
+        peft_adapter.save_adapter(args.export_adapter, params, model_config, alpha=method.lora_alpha,
+                                  base_model_name_or_path=config.source.model or config.model,
+                                  revision=config.source.revision)
+        _say(f"Wrote a PEFT LoRA adapter to {args.export_adapter}")
+
+
 def start_jax(args) -> None:
     """Fix the device count, share compiled programs across runs (the persistent
     compilation cache) and join the other processes: all before JAX starts."""
@@ -923,6 +1039,7 @@ def main(argv=None) -> int:
                 _, params = method.exportable(params)
             checkpoint.export_params(params, args.export_params, step=step,
                                      meta={"model": config.model, "config": config.record()})
+        export_folders(args, config, method, params)
         _say(f"Done: {config.command} {config.model}, {config.steps} steps"
              + (f", {jax.process_count()} processes." if jax.process_count() > 1 else "."))
     if args.distributed:  # leave together: waits for the other processes to finish too

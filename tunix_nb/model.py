@@ -287,12 +287,25 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
             cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cfg.dtype, rngs=rngs)
 
-    def __call__(self, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
+    def __call__(self, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None,
+                 entry=None, **entry_kwargs):
         """Logits [B, L, V] float32. `segment_ids_BxL` (packed rows, `tunix_nb.packing`): a
         token attends only to earlier tokens of its own segment (1, 2, ...; 0 is padding),
-        and positions restart per segment unless `positions_BxL` gives them."""
-        return self.project(self.hidden_states(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
-                                               positions_BxL=positions_BxL))
+        and positions restart per segment unless `positions_BxL` gives them.
+
+        `entry` ("hidden_states" or "extend") runs that pass instead, inside this call:
+        qwix's LoRA and QLoRA intercept `__call__` only, so a pass that entered the model
+        by another method would compute the base model without its adapters.
+        """
+        if entry == "extend":
+            return self.extend(tokens_BxL, attention_mask_BxL, **entry_kwargs)
+        hidden_BxLxD = self.hidden_states(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
+                                          positions_BxL=positions_BxL)
+        if entry == "hidden_states":
+            return hidden_BxLxD
+        if entry is not None:
+            raise ValueError(f"entry={entry!r}: use None (logits), 'hidden_states' or 'extend'")
+        return self.project(hidden_BxLxD)
 
     def hidden_states(self, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
         """The final-normed hidden states [B, L, D] in the compute dtype: everything but the head.
@@ -406,8 +419,8 @@ def apply(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segment_ids_
 def hidden_states(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None,
                   positions_BxL=None):
     """Pure forward pass up to the final norm: hidden states [B, L, D] (see `Transformer.hidden_states`)."""
-    return nnx.merge(graphdef, params).hidden_states(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
-                                                     positions_BxL=positions_BxL)
+    return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
+                                       positions_BxL=positions_BxL, entry="hidden_states")
 
 
 class OutputHead(NamedTuple):
@@ -437,7 +450,8 @@ def init_cache(graphdef, params, batch_size: int, max_len: int) -> dict:
 def extend(graphdef, params, tokens_BxL, attention_mask_BxL, cache, index, *, last_only=False):
     """Pure cached forward pass: (logits [B, L, V] or [B, 1, V] with `last_only`, cache)
     (see `Transformer.extend`)."""
-    return nnx.merge(graphdef, params).extend(tokens_BxL, attention_mask_BxL, cache, index, last_only=last_only)
+    return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL, entry="extend", cache=cache, index=index,
+                                       last_only=last_only)
 
 
 def with_remat(graphdef, params, remat: bool = True):

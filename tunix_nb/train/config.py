@@ -18,6 +18,7 @@ PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
 MESH_CHOICES = ("shard_map", "dp", "fsdp")  # parallel.MESH_MODES: the strategies that span processes
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # hf.EXPORT_DTYPES
 TRACKERS = ("jsonl", "tensorboard")  # tunix_nb.tracking
 
 
@@ -44,6 +45,36 @@ class ModelSourceConfig:
     dtype: str = option("float32", choices=PARAM_DTYPES,
                         help="the dtype the parameters are kept in; with --lora-rank the frozen base's "
                              "(the adapters stay float32)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The examples: the shipped task, or your own files in TRL's dataset formats (tunix_nb.user_data)."""
+
+    train_file: str | None = option(run_defining=False, help="your training data in one of TRL's dataset formats "
+                                    "(sft, distill: prompt/completion, messages or text; dpo: prompt/chosen/"
+                                    "rejected; grpo: prompt, other columns reach the reward functions): a .jsonl, "
+                                    ".json or .parquet file, or a Hub dataset id (online). The run records the "
+                                    "file's content hash (default: the shipped task)")
+    eval_file: str | None = option(run_defining=False, help="the eval split, in the same format (--eval-every "
+                                   "scores it; default: the shipped task's eval split, without --train-file)")
+    max_length: int | None = option(type=positive_int, help="with --train-file: at most this many tokens per row "
+                                    "(grpo: per prompt). A prompt that does not fit loses its beginning; the "
+                                    "completion is never cut; a row whose completion alone does not fit is an "
+                                    "error (default: the longest row)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """How the step spends memory on the vocabulary (tunix_nb.vocab_chunks): the same loss."""
+
+    vocab_chunk: int | None = option(type=positive_int, run_defining=False,
+                                     help="compute log-probs from the hidden states in chunks of this many "
+                                          "vocabulary entries, forward and backward, with logits only at the "
+                                          "positions the loss reads: no [batch, length, vocab] array "
+                                          "(default: the full logits)")
+    seq_chunk: int | None = option(type=positive_int, run_defining=False,
+                                   help="with --vocab-chunk: also take the loss positions this many at a time")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +113,15 @@ class CheckpointConfig:
     stop_after: int | None = option(type=positive_int, help="stop after this step, saving a checkpoint there, "
                                     "as if preempted; run the same command again (without it) to resume")
     export_params: str | None = option(help="at the end, also write a params-only checkpoint here")
+    export_hf: str | None = option(help="at the end, write a Hugging Face checkpoint folder here (config.json, "
+                                   "safetensors, the source's tokenizer files) that transformers and vLLM load; "
+                                   "with LoRA/QLoRA, the adapters merged into the weights")
+    export_adapter: str | None = option(help="with --lora-rank: at the end, write the adapters here as a PEFT LoRA "
+                                        "adapter folder (adapter_config.json, adapter_model.safetensors)")
+    export_dtype: str | None = option(choices=EXPORT_DTYPES, help="the dtype of --export-hf's weights (default: "
+                                      "the parameters' dtype, --dtype)")
+    max_shard_size: str | None = option(help="--export-hf: split the weights into safetensors shards of at most "
+                                        "this size, e.g. 5GB (default: one file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +168,9 @@ class ProcessConfig:
 # Shared options, in the order --help lists them: (config class, group title, group description).
 SHARED_OPTIONS = (
     (ModelSourceConfig, "model", None),
+    (DataConfig, "data", None),
     (TrainingConfig, "training", None),
+    (MemoryConfig, "memory", None),
     (CheckpointConfig, "checkpoints", None),
     (TrackingConfig, "tracking and evaluation", None),
     (DeviceConfig, "devices", None),
