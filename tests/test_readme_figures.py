@@ -69,6 +69,7 @@ def cache_record(name, readme, *keys, **kw):
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
 N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", "07_benchmarks"
 N08, N09, N10, N11 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora", "11_on_policy_distillation"
+N12 = "12_your_model_and_data"
 L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gkd.json"
 
 
@@ -237,7 +238,7 @@ def bench_table_figures():
 FIGURES = [
     # ------------------------------------------------------------ Learning path: the cells' time
     *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
-      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10, N11)],
+      for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10, N11, N12)],
     # ------------------------------------------------------------ Results the lessons measure
     nb("09 logits against transformers", "float32's bound 2.8e-4) | {} |", N09,
        r"largest difference {}, within {n} \(logits' std"),

@@ -18,7 +18,7 @@ import pytest
 from tunix_nb import checkpoint, data, hf, losses, model
 from tunix_nb.tokenizer import ByteTokenizer
 from solutions import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08, lesson09,
-                       lesson10, lesson11)
+                       lesson10, lesson11, lesson12)
 
 N = 8  # conftest.py simulates 8 CPU devices
 
@@ -399,3 +399,35 @@ def test_lesson11_ex3_a_hotter_sampler_visits_prefixes_the_teacher_finds_unlikel
     out = lesson11.sampling_temperature(temperatures=(0.5, 1.5), n_prompts=64)
     assert out[1.5]["teacher_logp"] < out[0.5]["teacher_logp"] < 0
     assert out[1.5]["loss"] > out[0.5]["loss"] > 0
+
+
+# ------------------------------------------------------------------ 12 your own model and data
+
+
+def test_lesson12_ex1_prompt_completion_trains_on_the_last_answer_only():
+    out = lesson12.last_turn_only()
+    assert out["same_tokens"] and out["mask_inside"]  # the same row; the mask loses tokens, gains none
+    # the first answer and its end-of-turn lose their loss, nothing else does
+    assert out["messages_loss_tokens"] == out["prompt_completion_loss_tokens"] + out["first_answer_tokens"]
+    assert out["prompt_completion_loss_tokens"] > 0
+
+
+def test_lesson12_ex2_the_smallest_max_length_is_the_longest_answer_with_its_header():
+    from tunix_nb.tokenizer import HFTokenizer
+    rows = lesson12.long_rows()
+    out = lesson12.smallest_max_length(rows)
+    tok = HFTokenizer.from_dir(lesson12.FIXTURE)
+    rendered = lambda messages: len(tok.encode(tok.apply_chat_template(messages)))  # noqa: E731
+    uncuttable = max(rendered(r["messages"]) - rendered(r["messages"][:-1]) for r in rows)
+    assert out["smallest"] == uncuttable < out["longest_row"]
+    assert out["n_cut"] == len(rows)  # at that length every row loses some prompt
+    assert f"max_length={out['smallest'] - 1}" in out["error_below"] and "row " in out["error_below"]
+    assert f"at least {out['smallest']}" in out["error_below"]
+
+
+def test_lesson12_ex3_temporaries_grow_with_the_chunk_and_the_loss_stays():
+    out = lesson12.temporaries_by_chunk(vocab_size=8192, chunks=(512, 2048), batch=4, length=64)
+    temp, loss = out["temp_bytes"], out["loss"]
+    assert temp[512] < temp[2048] < temp[None]
+    assert 4 * 64 * 8192 * 4 <= temp[None]  # the unchunked step holds at least the float32 logits
+    np.testing.assert_allclose([loss[512], loss[2048]], loss[None], rtol=1e-5)
