@@ -52,8 +52,10 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
           quantize: str = "none", tile_size: int = DEFAULT_TILE_SIZE, seed: int = 0):
     """(graphdef, adapters, base): the model with adapters on the matching layers.
 
-    `adapters` holds the LoRAParam leaves (A random, B zero), `base` everything else
-    (quantised where `quantize` says). `params` is left as it was.
+    `adapters` holds the LoRAParam leaves (A random, B zero) in float32, `base` everything
+    else (quantised where `quantize` says) in `params`' dtype: pass bfloat16 params for a
+    bfloat16 base, which a bfloat16 step then uses as it is, with no per-step copy.
+    `params` is left as it was.
     """
     rule = provider(rank=rank, alpha=alpha, targets=targets, quantize=quantize, tile_size=tile_size)
     sample_tokens = jnp.ones((1, 2), jnp.int32)  # qwix traces one call to find the layers
@@ -73,6 +75,9 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
     if not jax.tree.leaves(adapters):
         raise ValueError(f"targets={targets!r} matched no layer. The kit's layers are named like "
                          "'blocks/0/attn/q' and 'blocks/0/mlp/gate'.")
+    # qwix makes the adapters in the base's dtype; they are trained, so in float32 (a
+    # bfloat16 base then stays bfloat16: the frozen half of the memory, never copied).
+    adapters = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, adapters)
     return lora_graphdef, adapters, base
 
 
