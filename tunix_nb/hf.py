@@ -20,6 +20,7 @@ GELU MLP and alternating sliding-window layers would each need a model option.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -312,7 +313,7 @@ def abstract_model(config: model.ModelConfig):
 
 
 def load_pretrained(path_or_repo_id, *, dtype: str | None = None,
-                    sharding: jax.sharding.Sharding | Callable | None = None):
+                    sharding: jax.sharding.Sharding | Callable | None = None, remat: bool = False):
     """(graphdef, params, config) of a Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
 
     dtype: the parameters' dtype ("float32" to train; None keeps the file's). sharding:
@@ -320,10 +321,12 @@ def load_pretrained(path_or_repo_id, *, dtype: str | None = None,
     function from the abstract parameter tree to a tree of shardings, e.g.
     `lambda like: parallel.fsdp_shardings(like, mesh)`. Each device reads only its own
     slice of each tensor from the files, so a model that does not fit one device never
-    sits whole on one, and no random initialisation is ever computed.
+    sits whole on one, and no random initialisation is ever computed. remat: per-block
+    rematerialisation in the training pass (`ModelConfig.remat`; the same numbers, less
+    memory); `model.with_remat` switches it later.
     """
     directory = resolve(path_or_repo_id)
-    config = model_config(read_config(directory))
+    config = dataclasses.replace(model_config(read_config(directory)), remat=remat)
     graphdef, abstract = abstract_model(config)
     names = kit_names(abstract)
     with TensorReader(directory) as reader:

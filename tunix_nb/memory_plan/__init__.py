@@ -8,7 +8,7 @@ prints it for Qwen3-0.6B and Llama-3.2-1B, before and after the memory remedies.
 """
 
 from tunix_nb.memory_plan.config import STRATEGIES, PlanConfig, after, before
-from tunix_nb.memory_plan.plan import abstract_step, analyse, extrapolate, plan, read_model_config
+from tunix_nb.memory_plan.analysis import abstract_step, analyse, extrapolate, plan, read_model_config
 from tunix_nb.memory_plan.targets import TARGETS, libtpu_missing
 
 __all__ = ["STRATEGIES", "TARGETS", "PlanConfig", "abstract_step", "after", "analyse", "before", "extrapolate",

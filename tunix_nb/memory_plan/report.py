@@ -12,7 +12,7 @@ import jax
 
 from tunix_nb.memory_plan import targets
 from tunix_nb.memory_plan.config import PlanConfig, after, before
-from tunix_nb.memory_plan.plan import plan
+from tunix_nb.memory_plan.analysis import plan
 
 GIB = 2**30
 MODELS = ("Qwen3-0.6B", "Llama-3.2-1B")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,6 +64,13 @@ def _abstract_lora(graphdef, params, cfg: PlanConfig):
     return built["graphdef"], adapters, base
 
 
+def _embedding_in_float32(graphdef, params):
+    """The graphdef as nnx.Embed built it before issue 27: its output pinned to float32."""
+    module = nnx.merge(graphdef, params)
+    module.embed.dtype = jnp.float32
+    return nnx.split(module)[0]
+
+
 def chunk_option(method_objective_builder, vocab_chunk: int | None) -> dict:
     """{"vocab_chunk": n} when the objective builder takes that keyword, else {}:
     chunked log-probs are an option of the objectives that offer them."""
@@ -77,6 +85,8 @@ def abstract_step(hf_config: dict, cfg: PlanConfig, *, parallel_mode: str = "jit
     """(step, (params, opt_state, batch, frozen) as ShapeDtypeStructs, details): the SFT
     step the training command builds for this model and strategy, nothing allocated."""
     graphdef, params = hf.abstract_model(kit_config(hf_config, cfg))
+    if cfg.float32_activations:
+        graphdef = _embedding_in_float32(graphdef, params)
     options = chunk_option(sft.objective, cfg.vocab_chunk)
     if cfg.strategy == "full":
         objective, trained, frozen = sft.objective(graphdef, compute_dtype=cfg.compute_dtype, **options), params, None
