@@ -133,11 +133,27 @@ def memory_of(compiled) -> dict:
     return out
 
 
+def materialised_shapes(hlo_text: str) -> list[str]:
+    """The result shapes of the compiled program's instructions outside fusions: what the
+    program holds in memory (a fused computation's instructions live in registers and
+    on-chip scratch, so a float32 softmax inside a fusion costs no HBM)."""
+    shapes, in_fusion = [], False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):  # a computation begins
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            in_fusion = "fused" in name or "fusion" in name
+        elif not in_fusion and line.startswith(" ") and " = " in line:
+            result = line.split(" = ", 1)[1]
+            shapes.append(result[:result.index(")") + 1] if result.startswith("(") else result.split("{")[0])
+    return shapes
+
+
 def large_f32_buffers(hlo_text: str, *, rows: int, seq_len: int, vocab: int, heads: int) -> dict:
-    """How many float32 [B, L, V] (logits) and [B, H, L, L] (attention) shapes the
-    compiled program names, B being the rows each device holds."""
-    return {"f32_BxLxV": len(re.findall(rf"f32\[{rows},{seq_len},{vocab}\]", hlo_text)),
-            "f32_BxHxLxL": len(re.findall(rf"f32\[{rows},{heads},{seq_len},{seq_len}\]", hlo_text))}
+    """How many instructions outside fusions make float32 [B, L, V] (logits) and
+    [B, H, L, L] (attention) arrays, B being the rows each device holds."""
+    shapes = materialised_shapes(hlo_text)
+    return {"f32_BxLxV": sum(f"f32[{rows},{seq_len},{vocab}]" in s for s in shapes),
+            "f32_BxHxLxL": sum(f"f32[{rows},{heads},{seq_len},{seq_len}]" in s for s in shapes)}
 
 
 def analyse(model, cfg: PlanConfig, target: str = "cpu") -> dict:
@@ -161,7 +177,7 @@ def extrapolate(by_layers: dict, n_layers: int) -> dict:
     """Each byte field at `n_layers`, linear in the depth through the two smallest
     depths compiled (each block adds the same buffers): {field: bytes}, plus per_layer."""
     (l1, a), (l2, b) = sorted(by_layers.items())[:2]
-    keys = [k for k in a if k.endswith("_bytes")]
+    keys = [k for k in a if k.endswith("_bytes") and isinstance(a[k], (int, float))]
     per_layer = {k: (b[k] - a[k]) / (l2 - l1) for k in keys}
     return {**{k: a[k] + (n_layers - l1) * per_layer[k] for k in keys}, "per_layer": per_layer}
 
@@ -174,7 +190,7 @@ def plan(model, cfg: PlanConfig, target: str = "cpu", *, layers=(1, 2)) -> dict:
     by_layers = {n: analyse(hf_config, dataclasses.replace(cfg, n_layers=n), target)
                  for n in sorted(set(min(n, depth) for n in layers))}
     if depth in by_layers:
-        full = {k: v for k, v in by_layers[depth].items() if k.endswith("_bytes")}
+        full = {k: v for k, v in by_layers[depth].items() if k.endswith("_bytes") and isinstance(v, int)}
         extrapolated = False
     else:
         if len(by_layers) < 2:
