@@ -7,6 +7,10 @@ ratios, stored with their spread (quartiles, min and max). `--quick` runs smalle
 with fewer rounds: its figures are marked as not comparable to the targets. Results go
 to DIR/bench.json (merged with what is there) and DIR/*.png.
 
+`--only memory` compiles (never runs) real models' training steps for a TPU v5e chip and
+reports XLA's memory analysis, before and after the memory remedies: DIR/memory.json
+(`tunix_nb.memory_plan`; the TPU targets need libtpu, see `tunix_nb.memory_plan.targets`).
+
 Its optional part, the kit's steps against Tunix's trainers, needs google-tunix (not in
 requirements.txt) and runs on its own: `python -m tunix_nb.tunix_compare` (skipped, with
 the reason and the install commands, where Tunix is not installed).

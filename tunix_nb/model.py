@@ -283,10 +283,6 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, rngs=rngs)
-        # nnx.Embed turns dtype=None into its initial table's float32 and keeps it, so a
-        # bfloat16 copy of the params would still compute in float32 from the embedding on;
-        # None means "follow the parameters" here, as in every other layer (float32: the same).
-        self.embed.dtype = cfg.dtype
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = rms_norm(cfg.d_model, cfg, rngs)
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(

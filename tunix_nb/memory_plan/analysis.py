@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,8 +40,9 @@ def read_model_config(model) -> dict:
 
 
 def kit_config(hf_config: dict, cfg: PlanConfig):
-    """The kit's ModelConfig at the plan's depth, with per-block remat as the plan says."""
-    model_cfg = hf.model_config(hf_config)
+    """The kit's ModelConfig at the plan's depth, with per-block remat and the layers'
+    compute dtype as the plan says."""
+    model_cfg = hf.model_config(hf_config, dtype=None if cfg.float32_activations else cfg.compute_dtype)
     return dataclasses.replace(model_cfg, remat=cfg.remat, n_layers=cfg.n_layers or model_cfg.n_layers)
 
 
@@ -64,13 +64,6 @@ def _abstract_lora(graphdef, params, cfg: PlanConfig):
     return built["graphdef"], adapters, base
 
 
-def _embedding_in_float32(graphdef, params):
-    """The graphdef as nnx.Embed built it before issue 27: its output pinned to float32."""
-    module = nnx.merge(graphdef, params)
-    module.embed.dtype = jnp.float32
-    return nnx.split(module)[0]
-
-
 def chunk_option(method_objective_builder, vocab_chunk: int | None) -> dict:
     """{"vocab_chunk": n} when the objective builder takes that keyword, else {}:
     chunked log-probs are an option of the objectives that offer them."""
@@ -85,8 +78,6 @@ def abstract_step(hf_config: dict, cfg: PlanConfig, *, parallel_mode: str = "jit
     """(step, (params, opt_state, batch, frozen) as ShapeDtypeStructs, details): the SFT
     step the training command builds for this model and strategy, nothing allocated."""
     graphdef, params = hf.abstract_model(kit_config(hf_config, cfg))
-    if cfg.float32_activations:
-        graphdef = _embedding_in_float32(graphdef, params)
     options = chunk_option(sft.objective, cfg.vocab_chunk)
     if cfg.strategy == "full":
         objective, trained, frozen = sft.objective(graphdef, compute_dtype=cfg.compute_dtype, **options), params, None

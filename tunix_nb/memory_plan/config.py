@@ -17,9 +17,10 @@ class PlanConfig:
     dtype under LoRA/QLoRA (the trained parameters are float32 either way). `n_layers`
     compiles that many blocks of the model (None: all of them). `vocab_chunk` is passed
     to the method's objective when it takes one (chunked log-probs); None: today's full
-    logits. `float32_activations=True` rebuilds the kit's step as it was before issue 27,
-    when nnx.Embed pinned the embedding's output to float32, so a bfloat16 step computed
-    every activation after it in float32.
+    logits. `float32_activations=True` is the kit's step with its default model config
+    (`ModelConfig.dtype=None`): nnx.Embed fixes its output dtype to its initial float32
+    table, so with bfloat16 params every activation after the embedding is float32. False
+    builds the model with `ModelConfig.dtype=compute_dtype`, so every layer computes in it.
     """
 
     strategy: str = "lora"
@@ -51,8 +52,9 @@ class PlanConfig:
 
 
 def before(cfg: PlanConfig) -> PlanConfig:
-    """The step as the kit built it before the memory work (issue 27): no donation, a
-    float32 frozen base, full logits, float32 activations after the embedding; remat as the issue's "today" rows (off for full
+    """The step as the training command builds it before the memory work (issue 27): no
+    donation, a float32 frozen base, full logits, float32 activations after the embedding
+    (the default model config); remat as the issue's "today" rows (off for full
     fine-tuning, on for LoRA/QLoRA)."""
     return dataclasses.replace(cfg, donate=False, base_dtype="float32", vocab_chunk=None,
                                remat=cfg.strategy != "full", float32_activations=True)
@@ -60,6 +62,7 @@ def before(cfg: PlanConfig) -> PlanConfig:
 
 def after(cfg: PlanConfig, vocab_chunk: int | None = None) -> PlanConfig:
     """The step with the remedies: donated state, a bfloat16 frozen base, per-block remat,
-    and chunked log-probs where the objective offers them (`vocab_chunk`)."""
+    layers that compute in the compute dtype (`ModelConfig.dtype`), and chunked log-probs
+    where the objective offers them (`vocab_chunk`)."""
     return dataclasses.replace(cfg, donate=True, base_dtype="bfloat16", remat=True, vocab_chunk=vocab_chunk,
                                float32_activations=False)
