@@ -71,17 +71,21 @@ def _base_fields(base: PlanConfig) -> dict:
 
 
 def table(results: dict) -> str:
-    """The rows as a text table, GiB per device at full depth."""
+    """The rows as a text table, GiB per device at full depth (extrapolated rows marked
+    with *). total: arguments + outputs + temporaries - aliased; peak: the compiler's own
+    peak (XLA's TPU and CPU backends report it)."""
     head = f"{'model':<14}{'strategy':<9}{'target':<7}{'variant':<8}{'args':>8}{'outputs':>9}{'temps':>8}" \
-           f"{'aliased':>9}{'total':>8}  target"
+           f"{'aliased':>9}{'total':>8}{'peak':>8}  target"
     lines = [head, "-" * len(head)]
     for r in results["rows"]:
         f = r["full_depth"]
         goal = "" if r["target_gib"] is None else f"<= {r['target_gib']:g} {'met' if r['meets_target'] else 'MISSED'}"
-        lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{r['variant']:<8}"
+        variant = r["variant"] + ("*" if r["extrapolated"] else "")
+        lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}"
                      + "".join(f"{f[k] / GIB:>{w}.2f}" for k, w in (("argument_bytes", 8), ("output_bytes", 9),
                                                                       ("temp_bytes", 8), ("alias_bytes", 9),
                                                                       ("total_bytes", 8)))
+                     + (f"{f['peak_bytes'] / GIB:>8.2f}" if "peak_bytes" in f else f"{'-':>8}")
                      + f"  {goal}")
     for target, reason in results["skipped_targets"].items():
         lines.append(f"{target}: skipped, {reason}")

@@ -57,7 +57,7 @@ def mesh_for(target: str) -> Mesh:
             raise RuntimeError(f"target {target!r} needs the TPU compiler: {reason}")
         from jax.experimental import topologies
 
-        # libtpu locks /tmp/libtpu_lockfile against a second process on the same chips;
+        # libtpu takes a lock file against a second process on the same chips;
         # compiling ahead of time touches no chip, so several processes may (tests, bench).
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topology = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGY[target])
