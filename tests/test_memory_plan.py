@@ -171,6 +171,13 @@ def test_a_v5e_chip_plan_compiles_here_donates_and_keeps_no_float32_attention():
     assert before["hlo_buffers"]["f32_BxHxLxL"] > 0 and after["hlo_buffers"]["f32_BxHxLxL"] == 0
 
 
+def test_an_extrapolation_that_shrinks_with_depth_gives_no_estimate():
+    row = {"extrapolated": True, "full_depth": {"per_layer": {"argument_bytes": 1, "output_bytes": 1,
+                                                              "temp_bytes": -5}}}
+    assert not report.extrapolation_holds(row)
+    assert report.extrapolation_holds({**row, "extrapolated": False})
+
+
 def test_extrapolation_is_linear_in_depth():
     by_layers = {1: {"temp_bytes": 10, "argument_bytes": 100, "input_bytes": {"params": 1}},
                  2: {"temp_bytes": 13, "argument_bytes": 150, "input_bytes": {"params": 1}}}
@@ -207,6 +214,7 @@ def test_the_stored_memory_results_have_their_fields():
         assert row["total_gib"] == pytest.approx(full["total_bytes"] / 2**30)
         assert row["extrapolated"] == (str(row["n_layers"]) not in row["compiled"])
         assert (row["variant"] == "after") == (full["alias_bytes"] > 0), (row["model"], row["strategy"])
+        assert report.extrapolation_holds(row) or row["target_gib"] is None  # no target judged on a bad line
         if row["target_gib"] is not None:
             assert row["meets_target"] == (row["total_gib"] <= row["target_gib"])
     pairs = {(r["model"], r["strategy"], r["target"], r["variant"]) for r in results["rows"]}

@@ -70,10 +70,20 @@ def _base_fields(base: PlanConfig) -> dict:
     return {k: getattr(base, k) for k in ("batch_size", "seq_len", "compute_dtype", "lora_rank")}
 
 
+def extrapolation_holds(row: dict) -> bool:
+    """False when an extrapolated row's arguments, outputs or temporaries shrink with depth
+    (XLA scheduled the deeper program differently): a line through two depths then says
+    nothing; compile deeper, or at full depth."""
+    if not row["extrapolated"]:
+        return True
+    per_layer = row["full_depth"]["per_layer"]
+    return all(per_layer[k] >= 0 for k in ("argument_bytes", "output_bytes", "temp_bytes"))
+
+
 def table(results: dict) -> str:
     """The rows as a text table, GiB per device at full depth (extrapolated rows marked
-    with *). total: arguments + outputs + temporaries - aliased; peak: the compiler's own
-    peak (XLA's TPU and CPU backends report it)."""
+    with *; none where the extrapolation does not hold). total: arguments + outputs + temporaries - aliased; peak: the TPU compiler's own
+    peak (the CPU backend's field holds only the arguments there, so it is left out)."""
     head = f"{'model':<14}{'strategy':<9}{'target':<7}{'variant':<8}{'args':>8}{'outputs':>9}{'temps':>8}" \
            f"{'aliased':>9}{'total':>8}{'peak':>8}  target"
     lines = [head, "-" * len(head)]
@@ -81,11 +91,15 @@ def table(results: dict) -> str:
         f = r["full_depth"]
         goal = "" if r["target_gib"] is None else f"<= {r['target_gib']:g} {'met' if r['meets_target'] else 'MISSED'}"
         variant = r["variant"] + ("*" if r["extrapolated"] else "")
+        if not extrapolation_holds(r):
+            lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}  no estimate: its "
+                         "temporaries shrink from 1 to 2 layers; compile deeper")
+            continue
         lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}"
                      + "".join(f"{f[k] / GIB:>{w}.2f}" for k, w in (("argument_bytes", 8), ("output_bytes", 9),
                                                                       ("temp_bytes", 8), ("alias_bytes", 9),
                                                                       ("total_bytes", 8)))
-                     + (f"{f['peak_bytes'] / GIB:>8.2f}" if "peak_bytes" in f else f"{'-':>8}")
+                     + (f"{f['peak_bytes'] / GIB:>8.2f}" if "peak_bytes" in f and r["target"] != "cpu" else f"{'-':>8}")
                      + f"  {goal}")
     for target, reason in results["skipped_targets"].items():
         lines.append(f"{target}: skipped, {reason}")
