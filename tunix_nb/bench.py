@@ -7,6 +7,10 @@ ratios, stored with their spread (quartiles, min and max). `--quick` runs smalle
 with fewer rounds: its figures are marked as not comparable to the targets. Results go
 to DIR/bench.json (merged with what is there) and DIR/*.png.
 
+`--only memory` compiles (never runs) real models' training steps for a TPU v5e chip and
+reports XLA's memory analysis, before and after the memory remedies: DIR/memory.json
+(`tunix_nb.memory_plan`; the TPU targets need libtpu, see `tunix_nb.memory_plan.targets`).
+
 Its optional part, the kit's steps against Tunix's trainers, needs google-tunix (not in
 requirements.txt) and runs on its own: `python -m tunix_nb.tunix_compare` (skipped, with
 the reason and the install commands, where Tunix is not installed).
@@ -55,6 +59,9 @@ FIGURES = {
     "remat_step_time_ratio": ("remat", None, None),
 }
 GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile", "kv_cache", "grpo", "lora", "remat")
+# Run only when named (--only): "memory" compiles real models' steps for a TPU chip
+# (tunix_nb.memory_plan), minutes per step on a CPU, and writes DIR/memory.json.
+OPTIONAL_GROUPS = ("memory",)
 
 
 def median_seconds(fn, *, repeats: int, warmup: int = 2) -> float:
@@ -984,6 +991,19 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
     return results
 
 
+def memory_group(out_dir: Path, *, quick: bool, vocab_chunk: int | None = None) -> int:
+    """The memory plans (tunix_nb.memory_plan.report): --quick plans the three rows with
+    targets on one v5e chip only; a table on stdout, DIR/memory.json."""
+    from tunix_nb.memory_plan import report
+
+    rows, target_names = (report.QUICK_ROWS, ("v5e",)) if quick else (report.ROWS, report.targets.TARGETS)
+    results = report.run(out_dir, rows=rows, target_names=target_names, vocab_chunk=vocab_chunk,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.table(results))
+    print(f"Wrote {out_dir / 'memory.json'}")
+    return 0
+
+
 def describe(fig: dict) -> str:
     """A figure as one line: value, its spread, and its target (or why it is not comparable)."""
     line = f"{fig['value']:.3f}"
@@ -1003,13 +1023,18 @@ def main(argv=None) -> int:
                                      epilog="The kit's steps against Tunix's trainers (optional, needs google-tunix): "
                                             "python -m tunix_nb.tunix_compare")
     parser.add_argument("--quick", action="store_true", help="a CI-sized run (about a minute)")
-    parser.add_argument("--only", choices=sorted(set(GROUPS) | set(FIGURES)),
+    parser.add_argument("--only", choices=sorted(set(GROUPS) | set(FIGURES) | set(OPTIONAL_GROUPS)),
                         help="run one figure (or its group, e.g. dp_overhead runs the dp group)")
     parser.add_argument("--out", default="results", help="directory for bench.json and the plots")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (CPU only)")
+    parser.add_argument("--vocab-chunk", type=int, default=None,
+                        help="memory: the vocabulary chunk of the remedied step's log-probs (where the objective "
+                             "takes one)")
     args = parser.parse_args(argv)
     if devices.accelerator_hint() is None:
         devices.simulate_cpu_devices(args.devices)
+    if args.only == "memory":  # compiles, never runs: its own results file
+        return memory_group(Path(args.out), quick=args.quick, vocab_chunk=args.vocab_chunk)
     groups = GROUPS if args.only is None else (args.only if args.only in GROUPS else FIGURES[args.only][0],)
     results = run(groups, quick=args.quick, out_dir=Path(args.out), progress=sys.stderr.isatty())
     for name, fig in sorted(results["figures"].items()):

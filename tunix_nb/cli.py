@@ -511,9 +511,6 @@ class Trainable:
 
 def trainable(config: RunConfig, graphdef, params) -> Trainable:
     """Every parameter, or LoRA adapters (float32, whatever --dtype keeps the base in) on a frozen base."""
-    import jax
-    import jax.numpy as jnp
-
     from tunix_nb import lora
 
     options = config.lora
@@ -525,8 +522,6 @@ def trainable(config: RunConfig, graphdef, params) -> Trainable:
                                                    seed=config.seed)
     except ValueError as err:  # targets that match nothing, a tile size that does not divide
         raise FlagError(f"--lora-targets / --quantize: {err}")
-    if config.source.dtype != "float32":
-        adapters = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
     return Trainable(lora_graphdef, adapters, base, options.lora_alpha)
 
 

@@ -20,6 +20,7 @@ GELU MLP and alternating sliding-window layers would each need a model option.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -421,7 +422,7 @@ def check_dtype(dtype, allowed=DTYPES, *, what: str = "dtype") -> None:
 
 def load_pretrained(path_or_repo_id, *, dtype: str | None = None,
                     sharding: jax.sharding.Sharding | Callable | None = None,
-                    revision: str | None = None, token: str | None = None):
+                    revision: str | None = None, token: str | None = None, remat: bool = False):
     """(graphdef, params, config) of a Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
 
     path_or_repo_id: a local checkpoint folder, or a Hub id (`revision` pins a commit;
@@ -431,10 +432,12 @@ def load_pretrained(path_or_repo_id, *, dtype: str | None = None,
     to a tree of shardings, e.g. `lambda like: parallel.fsdp_shardings(like, mesh)`. Each
     device reads only its own slice of each tensor from the files, so a model that does
     not fit one device never sits whole on one, and no random initialisation is ever computed.
+    remat: per-block rematerialisation in the training pass (`ModelConfig.remat`; the same
+    numbers, less memory); `model.with_remat` switches it later.
     """
     check_dtype(dtype)
     directory = resolve(path_or_repo_id, revision=revision, token=token)
-    config = model_config(read_config(directory))
+    config = dataclasses.replace(model_config(read_config(directory)), remat=remat)
     graphdef, abstract = abstract_model(config)
     names = kit_names(abstract)
     with TensorReader(directory) as reader:

@@ -90,8 +90,10 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
           quantize: str = "none", tile_size: int = DEFAULT_TILE_SIZE, seed: int = 0):
     """(graphdef, adapters, base): the model with adapters on the matching layers.
 
-    `adapters` holds the LoRAParam leaves (A random, B zero; float32 whatever the base's
-    dtype), `base` everything else (quantised where `quantize` says). `params` is left as it was.
+    `adapters` holds the LoRAParam leaves (A random, B zero) in float32, `base` everything
+    else (quantised where `quantize` says) in `params`' dtype: pass bfloat16 params for a
+    bfloat16 base, which a bfloat16 step then uses as it is, with no per-step copy.
+    `params` is left as it was.
     """
     rule = provider(rank=rank, alpha=alpha, targets=targets, quantize=quantize, tile_size=tile_size)
     sample_tokens = jnp.ones((1, 2), jnp.int32)  # qwix traces one call to find the layers
@@ -109,7 +111,8 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
     adapted.cfg = dataclasses.replace(adapted.cfg, remat=remat)
     lora_graphdef, adapters, base = nnx.split(adapted, nnx.LoRAParam, ...)
     # qwix makes the adapters in the kernel's dtype; they train in float32 whatever the
-    # frozen base is kept in (a bfloat16 base: --dtype bfloat16), as PEFT's adapters do.
+    # frozen base is kept in (a bfloat16 base: --dtype bfloat16, as PEFT's adapters do),
+    # and the bfloat16 base stays as it is: the frozen half of the memory, never copied.
     adapters = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
     if not jax.tree.leaves(adapters):
         raise ValueError(f"targets={targets!r} matched no layer. The kit's layers are named like "

@@ -143,13 +143,45 @@ def attend(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxLxS):
     group = q_BxLxHxD.shape[2] // k_BxSxKxD.shape[2]
     k_BxSxHxD = jnp.repeat(k_BxSxKxD, group, axis=2)
     v_BxSxHxD = jnp.repeat(v_BxSxKxD, group, axis=2)
+    scores_BxHxLxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxD, k_BxSxHxD)
+    if jnp.finfo(scores_BxHxLxS.dtype).bits < 32:
+        # bfloat16 compute: no float32 [B, H, L, S] array at all (jax.nn.dot_product_attention's
+        # XLA path makes one: its logits are float32). The scores stay bfloat16, as
+        # transformers' eager attention keeps them, and the softmax runs in float32 inside it.
+        scores_BxHxLxS = jnp.where(allowed_BxLxS[:, None], scores_BxHxLxS / jnp.sqrt(q_BxLxHxD.shape[-1]), -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", low_precision_softmax(scores_BxHxLxS), v_BxSxHxD)
     # Scores and softmax in float32: bfloat16 softmax loses the small weights.
-    scores_BxHxLxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxD, k_BxSxHxD).astype(jnp.float32)
+    scores_BxHxLxS = scores_BxHxLxS.astype(jnp.float32)
     scores_BxHxLxS = scores_BxHxLxS / jnp.sqrt(q_BxLxHxD.shape[-1])
     # A large finite value, not -inf: a row with no allowed key stays finite.
     scores_BxHxLxS = jnp.where(allowed_BxLxS[:, None], scores_BxHxLxS, -1e9)
     weights = jax.nn.softmax(scores_BxHxLxS, axis=-1).astype(v_BxSxHxD.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v_BxSxHxD)
+
+
+@jax.custom_vjp
+def low_precision_softmax(scores_BxHxLxS: jax.Array) -> jax.Array:
+    """softmax over the last axis of low-precision (bfloat16) scores, computed in float32
+    and returned in the scores' dtype.
+
+    The backward pass keeps only these low-precision weights w (autodiff of a float32
+    softmax would keep its float32 output) and computes w * (g - sum(w * g)) in float32
+    from them, so every [B, H, L, S] array the step stores is in the compute dtype.
+    """
+    return jax.nn.softmax(scores_BxHxLxS.astype(jnp.float32), axis=-1).astype(scores_BxHxLxS.dtype)
+
+
+def _low_precision_softmax_fwd(scores_BxHxLxS):
+    weights = low_precision_softmax(scores_BxHxLxS)
+    return weights, weights
+
+
+def _low_precision_softmax_bwd(weights, grad_weights):
+    w, g = weights.astype(jnp.float32), grad_weights.astype(jnp.float32)
+    return ((w * (g - jnp.sum(w * g, axis=-1, keepdims=True))).astype(weights.dtype),)
+
+
+low_precision_softmax.defvjp(_low_precision_softmax_fwd, _low_precision_softmax_bwd)
 
 
 def per_token(layer, x_BxLxD: jax.Array) -> jax.Array:

@@ -1,0 +1,191 @@
+"""XLA's memory analysis of the kit's training step, compiled ahead of time and never run.
+
+The step is the one the training command builds (`train.make_step` over a method's
+objective, LoRA/QLoRA from `tunix_nb.lora`), for a model read from a Hugging Face
+config.json (`tunix_nb.hf.model_config`), with abstract parameters: shapes and dtypes
+only (`jax.eval_shape`), so a 1B model's plan needs no memory for its weights. A figure
+is per device: arguments + outputs + temporaries - aliased (the donated state's buffers
+that the outputs reuse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tunix_nb import hf, lora, sft, train
+from tunix_nb.memory_plan import targets
+from tunix_nb.memory_plan.config import PlanConfig
+
+FIELDS = ("argument", "output", "temp", "alias", "generated_code")
+MODEL_CONFIGS = Path(__file__).resolve().parent.parent.parent / "data" / "model_configs"
+
+
+def read_model_config(model) -> dict:
+    """config.json as a dict: from a dict, a directory, or a name under data/model_configs/."""
+    if isinstance(model, dict):
+        return model
+    directory = Path(model)
+    if not directory.is_dir() and (MODEL_CONFIGS / str(model)).is_dir():
+        directory = MODEL_CONFIGS / str(model)
+    return hf.read_config(directory)
+
+
+def kit_config(hf_config: dict, cfg: PlanConfig):
+    """The kit's ModelConfig at the plan's depth, with per-block remat and the layers'
+    compute dtype as the plan says."""
+    model_cfg = hf.model_config(hf_config, dtype=None if cfg.float32_activations else cfg.compute_dtype)
+    return dataclasses.replace(model_cfg, remat=cfg.remat, n_layers=cfg.n_layers or model_cfg.n_layers)
+
+
+def _cast_abstract(tree, dtype: str):
+    return jax.eval_shape(lambda t: jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, t), tree)
+
+
+def _abstract_lora(graphdef, params, cfg: PlanConfig):
+    """(LoRA graphdef, adapters, base), all abstract: qwix traced over shapes only."""
+    built = {}
+
+    def adapt(p):
+        built["graphdef"], adapters, base = lora.apply(graphdef, p, rank=cfg.lora_rank, alpha=float(cfg.lora_rank),
+                                                       quantize="nf4" if cfg.strategy == "qlora" else "none")
+        return adapters, base
+
+    adapters, base = jax.eval_shape(adapt, params)
+    return built["graphdef"], adapters, base
+
+
+def chunk_option(method_objective_builder, vocab_chunk: int | None) -> dict:
+    """{"vocab_chunk": n} when the objective builder takes that keyword, else {}:
+    chunked log-probs are an option of the objectives that offer them."""
+    if vocab_chunk is None:
+        return {}
+    if "vocab_chunk" not in inspect.signature(method_objective_builder).parameters:
+        return {}
+    return {"vocab_chunk": vocab_chunk}
+
+
+def abstract_step(hf_config: dict, cfg: PlanConfig, *, parallel_mode: str = "jit", mesh=None):
+    """(step, (params, opt_state, batch, frozen) as ShapeDtypeStructs, details): the SFT
+    step the training command builds for this model and strategy, nothing allocated."""
+    graphdef, params = hf.abstract_model(kit_config(hf_config, cfg))
+    options = chunk_option(sft.objective, cfg.vocab_chunk)
+    if cfg.strategy == "full":
+        objective, trained, frozen = sft.objective(graphdef, compute_dtype=cfg.compute_dtype, **options), params, None
+    else:
+        lora_graphdef, trained, base = _abstract_lora(graphdef, _cast_abstract(params, cfg.base_dtype), cfg)
+        objective = lora.objective(sft.objective(lora_graphdef, compute_dtype=cfg.compute_dtype, **options))
+        frozen = lora.frozen(base)
+    optimizer = train.make_optimizer()
+    opt_state = jax.eval_shape(optimizer.init, trained)
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+             for k in ("inputs", "targets", "loss_mask", "attention_mask")}
+    step = train.make_step(objective, optimizer, parallel_mode=parallel_mode, donate=cfg.donate,
+                           mesh=mesh if parallel_mode in ("dp", "fsdp", "shard_map") else None)
+    details = {"vocab_chunk_used": options.get("vocab_chunk"),
+               "input_bytes": {name: tree_bytes(tree) for name, tree in
+                               (("params", trained), ("opt_state", opt_state), ("batch", batch), ("frozen", frozen))}}
+    return step, (trained, opt_state, batch, frozen), details
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a tree's arrays (abstract or not), all devices together."""
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def lower(step, args, mesh, parallel_mode: str):
+    """`step` lowered for `mesh`'s devices from abstract arguments."""
+    if parallel_mode == "jit":
+        on_device = NamedSharding(mesh, P())
+        placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device), args)
+        return step.lower(*placed)
+    params, opt_state, _, frozen = args
+    return step.jitted(params, opt_state, frozen).lower(*args)
+
+
+def memory_of(compiled) -> dict:
+    """XLA's memory analysis of a compiled program, per device, in bytes; `total` is
+    arguments + outputs + temporaries - aliased, the figure the targets use."""
+    analysis = compiled.memory_analysis()
+    out = {f"{k}_bytes": int(getattr(analysis, f"{k}_size_in_bytes")) for k in FIELDS}
+    out["total_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    peak = getattr(analysis, "peak_memory_in_bytes", 0)
+    if peak:  # the TPU compiler reports its own peak; the CPU's does not
+        out["peak_bytes"] = int(peak)
+    return out
+
+
+def materialised_shapes(hlo_text: str) -> list[str]:
+    """The result shapes of the compiled program's instructions outside fusions: what the
+    program holds in memory (a fused computation's instructions live in registers and
+    on-chip scratch, so a float32 softmax inside a fusion costs no HBM)."""
+    shapes, in_fusion = [], False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):  # a computation begins
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            in_fusion = "fused" in name or "fusion" in name
+        elif not in_fusion and line.startswith(" ") and " = " in line:
+            result = line.split(" = ", 1)[1]
+            shapes.append(result[:result.index(")") + 1] if result.startswith("(") else result.split("{")[0])
+    return shapes
+
+
+def large_f32_buffers(hlo_text: str, *, rows: int, seq_len: int, vocab: int, heads: int) -> dict:
+    """How many instructions outside fusions make float32 [B, L, V] (logits) and
+    [B, H, L, L] (attention) arrays, B being the rows each device holds."""
+    shapes = materialised_shapes(hlo_text)
+    return {"f32_BxLxV": sum(f"f32[{rows},{seq_len},{vocab}]" in s for s in shapes),
+            "f32_BxHxLxL": sum(f"f32[{rows},{heads},{seq_len},{seq_len}]" in s for s in shapes)}
+
+
+def analyse(model, cfg: PlanConfig, target: str = "cpu") -> dict:
+    """Compile one step for `target` ("cpu", "v5e": one chip, "v5e-8": per chip, fsdp)
+    and return its memory analysis per device, the inputs' bytes and the compile time."""
+    hf_config = read_model_config(model)
+    mesh = targets.mesh_for(target)
+    parallel_mode = "fsdp" if mesh.size > 1 else "jit"
+    step, args, details = abstract_step(hf_config, cfg, parallel_mode=parallel_mode, mesh=mesh)
+    started = time.perf_counter()
+    compiled = lower(step, args, mesh, parallel_mode).compile()
+    model_cfg = kit_config(hf_config, cfg)
+    return {**memory_of(compiled), "compile_seconds": time.perf_counter() - started, "devices": mesh.size,
+            "parallel_mode": parallel_mode, "n_layers": model_cfg.n_layers, **details,
+            "hlo_buffers": large_f32_buffers(compiled.as_text(), rows=cfg.batch_size // mesh.size,
+                                             seq_len=cfg.seq_len, vocab=model_cfg.vocab_size,
+                                             heads=model_cfg.n_heads)}
+
+
+def extrapolate(by_layers: dict, n_layers: int) -> dict:
+    """Each byte field at `n_layers`, linear in the depth through the two smallest
+    depths compiled (each block adds the same buffers): {field: bytes}, plus per_layer."""
+    (l1, a), (l2, b) = sorted(by_layers.items())[:2]
+    keys = [k for k in a if k.endswith("_bytes") and isinstance(a[k], (int, float))]
+    per_layer = {k: (b[k] - a[k]) / (l2 - l1) for k in keys}
+    return {**{k: a[k] + (n_layers - l1) * per_layer[k] for k in keys}, "per_layer": per_layer}
+
+
+def plan(model, cfg: PlanConfig, target: str = "cpu", *, layers=(1, 2)) -> dict:
+    """The step's memory at the model's full depth: compiled at `layers` and extrapolated
+    linearly when the full depth is not among them (the result says which)."""
+    hf_config = read_model_config(model)
+    depth = cfg.n_layers or hf.model_config(hf_config).n_layers
+    by_layers = {n: analyse(hf_config, dataclasses.replace(cfg, n_layers=n), target)
+                 for n in sorted(set(min(n, depth) for n in layers))}
+    if depth in by_layers:
+        full = {k: v for k, v in by_layers[depth].items() if k.endswith("_bytes") and isinstance(v, int)}
+        extrapolated = False
+    else:
+        if len(by_layers) < 2:
+            raise ValueError(f"layers={layers}: extrapolating to {depth} layers needs two depths.")
+        full, extrapolated = extrapolate(by_layers, depth), True
+    return {"config": dataclasses.asdict(cfg), "target": target, "n_layers": depth, "extrapolated": extrapolated,
+            "full_depth": full, "compiled": {str(n): v for n, v in by_layers.items()}}

@@ -1,0 +1,106 @@
+"""`python -m tunix_nb.bench --only memory`: the memory plans of real models' steps, before
+and after the memory remedies, in one run; a table on stdout and DIR/memory.json."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+
+from tunix_nb.memory_plan import targets
+from tunix_nb.memory_plan.config import PlanConfig, after, before
+from tunix_nb.memory_plan.analysis import plan
+
+GIB = 2**30
+MODELS = ("Qwen3-0.6B", "Llama-3.2-1B")
+ROWS = tuple((m, s) for m in MODELS for s in ("full", "lora", "qlora"))
+# (model, strategy) -> the issue's target for the v5e chip, GiB (after the remedies)
+TARGET_GIB = {("Qwen3-0.6B", "lora"): 6.0, ("Qwen3-0.6B", "full"): 14.0, ("Llama-3.2-1B", "qlora"): 6.0}
+QUICK_ROWS = tuple(TARGET_GIB)
+VARIANTS = {"before": before, "after": after}
+
+
+def jobs(rows, target_names) -> list[tuple]:
+    """(model, strategy, variant, target) to compile: before and after on every target,
+    except the v5e-8, where only the remedied step is planned (fsdp is one of the remedies)."""
+    return [(m, s, v, t) for t in target_names for (m, s) in rows for v in VARIANTS
+            if not (t == "v5e-8" and v == "before")]
+
+
+def settings(base: PlanConfig, layers, vocab_chunk) -> dict:
+    return {"batch_size": base.batch_size, "seq_len": base.seq_len, "compute_dtype": base.compute_dtype,
+            "lora_rank": base.lora_rank, "layers_compiled": list(layers), "vocab_chunk": vocab_chunk,
+            "total": "argument + output + temp - alias, per device",
+            "extrapolation": "linear in depth through the depths compiled, to the model's full depth",
+            "before": "no donation, float32 frozen base, full logits; remat off for full fine-tuning, on for "
+                      "LoRA/QLoRA (the issue's 'today' rows)",
+            "after": "donated params and optimizer state, bfloat16 frozen base, per-block remat, chunked "
+                     "log-probs when the objective takes vocab_chunk",
+            "v5e_topology": targets.TOPOLOGY, "jax": jax.__version__, "machine": platform.machine()}
+
+
+def run(out_dir: Path, *, rows=ROWS, target_names=targets.TARGETS, layers=(1, 2), vocab_chunk: int | None = None,
+        base: PlanConfig = PlanConfig(), progress=print) -> dict:
+    """Plan every job, writing DIR/memory.json after each (a long run keeps what it has)."""
+    missing = targets.libtpu_missing()
+    skipped = [t for t in target_names if t != "cpu" and missing]
+    results = {"settings": settings(base, layers, vocab_chunk), "skipped_targets": {t: missing for t in skipped},
+               "rows": []}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "memory.json"
+    for model, strategy, variant, target in jobs(rows, [t for t in target_names if t not in skipped]):
+        started = time.perf_counter()
+        cfg = PlanConfig(**{**_base_fields(base), "strategy": strategy})
+        cfg = after(cfg, vocab_chunk) if variant == "after" else before(cfg)
+        row = {"model": model, "strategy": strategy, "variant": variant, **plan(model, cfg, target, layers=layers)}
+        row["total_gib"] = row["full_depth"]["total_bytes"] / GIB
+        target_gib = TARGET_GIB.get((model, strategy)) if target == "v5e" and variant == "after" else None
+        row["target_gib"], row["meets_target"] = target_gib, None if target_gib is None else row["total_gib"] <= target_gib
+        results["rows"].append(row)
+        path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        progress(f"{model} {strategy} {variant} {target}: {row['total_gib']:.2f} GiB "
+                 f"({time.perf_counter() - started:.0f} s)")
+    return results
+
+
+def _base_fields(base: PlanConfig) -> dict:
+    return {k: getattr(base, k) for k in ("batch_size", "seq_len", "compute_dtype", "lora_rank")}
+
+
+def extrapolation_holds(row: dict) -> bool:
+    """False when an extrapolated row's arguments, outputs or temporaries shrink with depth
+    (XLA scheduled the deeper program differently): a line through two depths then says
+    nothing; compile deeper, or at full depth."""
+    if not row["extrapolated"]:
+        return True
+    per_layer = row["full_depth"]["per_layer"]
+    return all(per_layer[k] >= 0 for k in ("argument_bytes", "output_bytes", "temp_bytes"))
+
+
+def table(results: dict) -> str:
+    """The rows as a text table, GiB per device at full depth (extrapolated rows marked
+    with *; none where the extrapolation does not hold). total: arguments + outputs + temporaries - aliased; peak: the TPU compiler's own
+    peak (the CPU backend's field holds only the arguments there, so it is left out)."""
+    head = f"{'model':<14}{'strategy':<9}{'target':<7}{'variant':<8}{'args':>8}{'outputs':>9}{'temps':>8}" \
+           f"{'aliased':>9}{'total':>8}{'peak':>8}  target"
+    lines = [head, "-" * len(head)]
+    for r in results["rows"]:
+        f = r["full_depth"]
+        goal = "" if r["target_gib"] is None else f"<= {r['target_gib']:g} {'met' if r['meets_target'] else 'MISSED'}"
+        variant = r["variant"] + ("*" if r["extrapolated"] else "")
+        if not extrapolation_holds(r):
+            lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}  no estimate: its "
+                         "temporaries shrink from 1 to 2 layers; compile deeper")
+            continue
+        lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}"
+                     + "".join(f"{f[k] / GIB:>{w}.2f}" for k, w in (("argument_bytes", 8), ("output_bytes", 9),
+                                                                      ("temp_bytes", 8), ("alias_bytes", 9),
+                                                                      ("total_bytes", 8)))
+                     + (f"{f['peak_bytes'] / GIB:>8.2f}" if "peak_bytes" in f and r["target"] != "cpu" else f"{'-':>8}")
+                     + f"  {goal}")
+    for target, reason in results["skipped_targets"].items():
+        lines.append(f"{target}: skipped, {reason}")
+    return "\n".join(lines)
