@@ -130,6 +130,22 @@ def _add_command(commands, command: str) -> None:
     sub.set_defaults(learning_rate=method.DEFAULT_LEARNING_RATE)
 
 
+def help_reference(width: int = 100) -> str:
+    """Every command's --help as markdown (docs/cli.md's generated part), at a fixed width so
+    it does not depend on the terminal."""
+    import os
+
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(width)  # argparse's formatter reads the width from here
+    try:
+        parser = build_parser()
+        parts = [("python -m tunix_nb.train --help", parser.format_help())]
+        parts += [(f"python -m tunix_nb.train {c} --help", command_parser(parser, c).format_help()) for c in COMMANDS]
+    finally:
+        os.environ.pop("COLUMNS") if saved is None else os.environ.__setitem__("COLUMNS", saved)
+    return "\n".join(f"### `{title}`\n\n```text\n{text.rstrip()}\n```\n" for title, text in parts)
+
+
 def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     """The subcommand's parser (its usage goes with its errors)."""
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
