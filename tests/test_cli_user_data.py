@@ -124,3 +124,23 @@ def test_grpo_reads_prompts_and_passes_the_other_columns_to_your_reward(tmp_path
                  "--metrics-file", metrics]) == 0
     record = json.loads(metrics.read_text().splitlines()[-1])
     assert "rewards/matches_answer/mean" in record and 0 <= record["rewards/matches_answer/mean"] <= 1
+
+
+@pytest.mark.parametrize("lora_flags", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
+def test_killed_between_saves_resumes_bitwise_on_your_model_and_data(chat_files, tmp_path, lora_flags):
+    from tunix_nb import compare, preempt
+
+    train, _ = chat_files
+    base = ["sft", "--model", QWEN3, "--train-file", str(train), "--steps", "6", "--batch-size", "4",
+            "--save-every", "2", "--sync-save", *lora_flags]
+    whole = tmp_path / "whole"
+    assert _run([*base, "--ckpt-dir", whole, "--metrics-file", whole / "m.jsonl"]) == 0
+    ckpt, metrics = tmp_path / "killed", tmp_path / "killed" / "m.jsonl"
+    ckpt.mkdir()
+    killed = preempt.run_and_kill([*base, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)],
+                                  ckpt_dir=ckpt, metrics_file=metrics, when="between_saves", after_step=2,
+                                  timeout=300)
+    assert killed["killed"] and killed["step"] < 6, killed
+    assert _run([*base, "--ckpt-dir", ckpt, "--metrics-file", metrics]) == 0
+    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(whole))
+    assert metrics.read_text() == (whole / "m.jsonl").read_text()
