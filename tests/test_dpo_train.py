@@ -192,3 +192,17 @@ def test_auto_compute_dtype_is_float32_on_cpu():
     assert precision.resolve_compute_dtype("auto") is None
     assert precision.resolve_compute_dtype("bfloat16") == "bfloat16"
     assert precision.resolve_compute_dtype(jnp.float32) is None
+
+
+def test_the_command_starts_at_ln2_in_bfloat16(tmp_path):
+    """The cached reference is scored in the step's batch shape: in bfloat16 a reference scored
+    in chunks of 256 and a policy stepping on 8 rounded apart (step-1 loss 0.6929831)."""
+    import json
+    import math
+
+    from tunix_nb import cli
+
+    metrics = tmp_path / "m.jsonl"
+    assert cli.main(["dpo", "--steps", "1", "--batch-size", "8", "--compute-dtype", "bfloat16",
+                     "--metrics-file", str(metrics)]) == 0
+    assert json.loads(metrics.read_text())["loss"] == pytest.approx(math.log(2), abs=1e-6)

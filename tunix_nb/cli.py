@@ -647,9 +647,11 @@ def _sft_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method
 def _dpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
     t, options = trainable(config, graphdef, params), config.method
 
-    def with_reference(rows):  # cached once: the reference never changes (LoRA: the base, adapters off)
+    # cached once: the reference never changes (LoRA: the base, adapters off). Scored in the step's
+    # batch shape: in bfloat16 another shape rounds apart, and step 1 would not start at ln 2.
+    def with_reference(rows):
         return dpo.reference_log_probs(t.graphdef, t.reference(), rows, length_normalize=options.length_normalize,
-                                       compute_dtype=dtype, **chunks_of(config))
+                                       compute_dtype=dtype, batch_size=config.batch_size, **chunks_of(config))
 
     objective = dpo.objective(t.graphdef, beta=options.beta, loss_type=options.loss_type,
                               sft_weight=options.sft_weight, length_normalize=options.length_normalize,
