@@ -212,3 +212,12 @@ def test_check_backend_warns_when_an_accelerator_is_left_unused(monkeypatch, rec
     fake_tpu_runtime(monkeypatch)  # a TPU hint, but this JAX runs on CPU
     with pytest.warns(UserWarning, match=r"has a TPU, but JAX is running on CPU\. On Colab: restart the runtime"):
         devices.check_backend()
+
+
+def test_auto_compute_dtype_is_float32_on_gpus_without_native_bfloat16():
+    """Colab's T4 (compute capability 7.5) emulates bfloat16: float32 there; Ampere and later
+    (A100 8.0, L4 8.9, H100/H200 9.0) compute in bfloat16."""
+    assert devices.defaults_for("gpu", compute_capability="7.5").compute_dtype == "float32"
+    assert devices.defaults_for("cuda", compute_capability="7.0").compute_dtype == "float32"
+    for capability in ("8.0", "8.9", "9.0"):
+        assert devices.defaults_for("gpu", compute_capability=capability).compute_dtype == "bfloat16"

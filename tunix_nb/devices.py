@@ -221,21 +221,39 @@ class BackendDefaults:
     param_dtype: str = "float32"
 
 
-def defaults_for(backend: str | None = None) -> BackendDefaults:
-    """Per-backend defaults: float32 compute on CPU, bfloat16 on TPU and GPU.
+def defaults_for(backend: str | None = None, *, compute_capability: str | None = None) -> BackendDefaults:
+    """Per-backend defaults: float32 compute on CPU, bfloat16 on TPU and on GPUs with native
+    bfloat16 (NVIDIA compute capability 8.0 and up: A100, L4, H100, ...), float32 on older GPUs.
 
-    CPUs have no fast bfloat16 matmul, so bfloat16 there is slower, not faster.
+    CPUs have no fast bfloat16 matmul, so bfloat16 there is slower, not faster. A GPU
+    below 8.0 (Colab's T4 is 7.5) emulates bfloat16; its fast half type is float16, which
+    needs loss scaling the kit does not do, so it trains in float32. `compute_capability`
+    ("7.5"): the GPU's, read from the first device when None.
     """
     if backend is None:
         import jax
 
         backend = jax.default_backend()
     backend = backend.lower()
+    if backend in ("gpu", "cuda"):
+        capability = compute_capability or _gpu_compute_capability()
+        if capability is not None and float(capability) < MIN_BF16_COMPUTE_CAPABILITY:
+            return BackendDefaults(backend=backend, compute_dtype="float32")
     if backend in ("tpu", "gpu", "cuda", "rocm"):
         return BackendDefaults(backend=backend, compute_dtype="bfloat16")
     if backend == "cpu":
         return BackendDefaults(backend=backend, compute_dtype="float32")
     raise ValueError(f"Unknown backend {backend!r}; expected 'cpu', 'gpu' or 'tpu'.")
+
+
+MIN_BF16_COMPUTE_CAPABILITY = 8.0  # NVIDIA Ampere: the first GPUs with bfloat16 tensor cores
+
+
+def _gpu_compute_capability() -> str | None:
+    """The first device's compute capability ("8.0"), or None where JAX does not report one."""
+    import jax
+
+    return getattr(jax.devices()[0], "compute_capability", None)
 
 
 def has_devices(n: int, what: str = "This part") -> bool:

@@ -30,7 +30,7 @@ class SFTConfig:
 def objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk=None):
     """(params, batch, frozen) -> (NLL summed over completion tokens, token count, {}).
 
-    `compute_dtype`: "auto" computes in bfloat16 on TPU/GPU and float32 on CPU, with
+    `compute_dtype`: "auto" is `devices.defaults_for`'s (bfloat16 on TPU and bf16-capable GPUs, float32 on CPU), with
     float32 parameters either way; pass jnp.float32 or jnp.bfloat16 to choose.
     `vocab_chunk` (and `seq_chunk`): compute the NLL from the hidden states in chunks,
     logits only at completion positions (`tunix_nb.vocab_chunks`); None, the default,

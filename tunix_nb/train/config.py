@@ -97,7 +97,9 @@ class TrainingConfig:
                               "recompute the rest, trading about one more forward pass for activation memory "
                               "(the same update; a run may resume with or without it)")
     compute_dtype: str = option("auto", choices=COMPUTE_DTYPES,
-                                help="auto: float32 on CPU, bfloat16 on TPU/GPU (params stay in --dtype)")
+                                help="auto: float32 on CPU, bfloat16 on TPU and on GPUs with native bfloat16 "
+                                     "(compute capability 8.0 and up), float32 on older GPUs such as the T4 "
+                                     "(params stay in --dtype)")
 
 
 @dataclasses.dataclass(frozen=True)
