@@ -15,7 +15,8 @@ from tunix_nb import devices
 
 
 def resolve_compute_dtype(compute_dtype="auto"):
-    """"auto": the backend's default (`devices.defaults_for`: bfloat16 on TPU and bf16-capable GPUs, float32 = None on CPU and older GPUs)."""
+    """"auto": the backend's default (`devices.defaults_for`: bfloat16 on TPU and bf16-capable
+    GPUs, float32 = None on CPU and older GPUs)."""
     if compute_dtype == "auto":
         compute_dtype = devices.defaults_for().compute_dtype
     return None if compute_dtype in (None, "float32", jnp.float32) else compute_dtype
