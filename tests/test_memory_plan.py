@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from tunix_nb import hf, lora, losses, memory_plan, model, precision
+from tunix_nb import hf, lora, losses, memory_plan, model, precision, sft
 from tunix_nb.memory_plan import analysis as plan_lib
 from tunix_nb.memory_plan import report
 
@@ -171,6 +171,17 @@ def test_a_v5e_chip_plan_compiles_here_donates_and_keeps_no_float32_attention():
     assert before["hlo_buffers"]["f32_BxHxLxL"] > 0 and after["hlo_buffers"]["f32_BxHxLxL"] == 0
 
 
+def test_a_chunked_plan_passes_both_chunks_and_keeps_no_float32_logits():
+    assert plan_lib.chunk_option(sft.objective, 64, 4) == {"vocab_chunk": 64, "seq_chunk": 4}
+    assert plan_lib.chunk_option(sft.objective, 64) == {"vocab_chunk": 64}
+    assert plan_lib.chunk_option(lambda graphdef: None, 64, 4) == {}
+    cfg = memory_plan.after(TINY_PLAN, vocab_chunk=64, seq_chunk=4)
+    chunked = memory_plan.analyse(TINY_HF, cfg, "cpu")
+    unchunked = memory_plan.analyse(TINY_HF, memory_plan.after(TINY_PLAN), "cpu")
+    assert (chunked["vocab_chunk_used"], chunked["seq_chunk_used"]) == (64, 4)
+    assert unchunked["hlo_buffers"]["f32_BxLxV"] > 0 and chunked["hlo_buffers"]["f32_BxLxV"] == 0
+
+
 def test_an_extrapolation_that_shrinks_with_depth_gives_no_estimate():
     row = {"extrapolated": True, "full_depth": {"per_layer": {"argument_bytes": 1, "output_bytes": 1,
                                                               "temp_bytes": -5}}}
@@ -187,7 +198,7 @@ def test_extrapolation_is_linear_in_depth():
 
 
 @pytest.mark.parametrize("field, value", [("strategy", "dora"), ("base_dtype", "float16"), ("batch_size", 0),
-                                          ("n_layers", 0), ("vocab_chunk", True)])
+                                          ("n_layers", 0), ("vocab_chunk", True), ("seq_chunk", 4)])
 def test_bad_plan_options_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"PlanConfig.{field}"):
         memory_plan.PlanConfig(**{field: value})
@@ -213,7 +224,7 @@ def test_the_stored_memory_results_have_their_fields():
                                                     + full["temp_bytes"] - full["alias_bytes"])
         assert row["total_gib"] == pytest.approx(full["total_bytes"] / 2**30)
         assert row["extrapolated"] == (str(row["n_layers"]) not in row["compiled"])
-        assert (row["variant"] == "after") == (full["alias_bytes"] > 0), (row["model"], row["strategy"])
+        assert (row["variant"] != "before") == (full["alias_bytes"] > 0), (row["model"], row["strategy"])
         assert report.extrapolation_holds(row) or row["target_gib"] is None  # no target judged on a bad line
         if row["target_gib"] is not None:
             assert row["meets_target"] == (row["total_gib"] <= row["target_gib"])
@@ -227,6 +238,20 @@ def test_the_stored_rows_are_the_before_and_after_steps():
     results = json.loads((ROOT / "results" / "memory.json").read_text())
     for row in results["rows"]:
         cfg = memory_plan.PlanConfig(**row["config"])
-        make = memory_plan.after if row["variant"] == "after" else memory_plan.before
+        make = memory_plan.before if row["variant"] == "before" else memory_plan.after
         expected = make(memory_plan.PlanConfig(strategy=row["strategy"]))
         assert (cfg.donate, cfg.base_dtype, cfg.remat) == (expected.donate, expected.base_dtype, expected.remat)
+        assert (cfg.vocab_chunk is not None) == (row["variant"] == report.CHUNKED)
+
+
+def test_the_stored_chunked_rows_hold_no_float32_logits():
+    """The "after, chunked" rows (chunked log-probs) on one v5e chip: no float32 [B, L, V]
+    array in the compiled program at any depth compiled, for every row with a target."""
+    results = json.loads((ROOT / "results" / "memory.json").read_text())
+    chunked = [r for r in results["rows"] if r["variant"] == report.CHUNKED]
+    assert {(r["model"], r["strategy"]) for r in chunked if r["target"] == "v5e"} == set(report.QUICK_ROWS)
+    assert "command" in results["settings"][report.CHUNKED]
+    for row in chunked:
+        for compiled in row["compiled"].values():
+            assert compiled["vocab_chunk_used"] == row["config"]["vocab_chunk"]
+            assert compiled["hlo_buffers"]["f32_BxLxV"] == 0, (row["model"], row["strategy"])

@@ -991,13 +991,13 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True) -> dict:
     return results
 
 
-def memory_group(out_dir: Path, *, quick: bool, vocab_chunk: int | None = None) -> int:
+def memory_group(out_dir: Path, *, quick: bool, vocab_chunk: int | None = None, seq_chunk: int | None = None) -> int:
     """The memory plans (tunix_nb.memory_plan.report): --quick plans the three rows with
     targets on one v5e chip only; a table on stdout, DIR/memory.json."""
     from tunix_nb.memory_plan import report
 
     rows, target_names = (report.QUICK_ROWS, ("v5e",)) if quick else (report.ROWS, report.targets.TARGETS)
-    results = report.run(out_dir, rows=rows, target_names=target_names, vocab_chunk=vocab_chunk,
+    results = report.run(out_dir, rows=rows, target_names=target_names, vocab_chunk=vocab_chunk, seq_chunk=seq_chunk,
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table(results))
     print(f"Wrote {out_dir / 'memory.json'}")
@@ -1030,11 +1030,13 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab-chunk", type=int, default=None,
                         help="memory: the vocabulary chunk of the remedied step's log-probs (where the objective "
                              "takes one)")
+    parser.add_argument("--seq-chunk", type=int, default=None,
+                        help="memory: positions per row at a time on the chunked path (needs --vocab-chunk)")
     args = parser.parse_args(argv)
     if devices.accelerator_hint() is None:
         devices.simulate_cpu_devices(args.devices)
     if args.only == "memory":  # compiles, never runs: its own results file
-        return memory_group(Path(args.out), quick=args.quick, vocab_chunk=args.vocab_chunk)
+        return memory_group(Path(args.out), quick=args.quick, vocab_chunk=args.vocab_chunk, seq_chunk=args.seq_chunk)
     groups = GROUPS if args.only is None else (args.only if args.only in GROUPS else FIGURES[args.only][0],)
     results = run(groups, quick=args.quick, out_dir=Path(args.out), progress=sys.stderr.isatty())
     for name, fig in sorted(results["figures"].items()):

@@ -64,13 +64,16 @@ def _abstract_lora(graphdef, params, cfg: PlanConfig):
     return built["graphdef"], adapters, base
 
 
-def chunk_option(method_objective_builder, vocab_chunk: int | None) -> dict:
-    """{"vocab_chunk": n} when the objective builder takes that keyword, else {}:
-    chunked log-probs are an option of the objectives that offer them."""
+def chunk_option(method_objective_builder, vocab_chunk: int | None, seq_chunk: int | None = None) -> dict:
+    """{"vocab_chunk": n, "seq_chunk": m} (those given and that the objective builder
+    takes), else {}: chunked log-probs are an option of the objectives that offer them."""
     if vocab_chunk is None:
         return {}
-    if "vocab_chunk" not in inspect.signature(method_objective_builder).parameters:
+    parameters = inspect.signature(method_objective_builder).parameters
+    if "vocab_chunk" not in parameters:
         return {}
+    if seq_chunk is not None and "seq_chunk" in parameters:
+        return {"vocab_chunk": vocab_chunk, "seq_chunk": seq_chunk}
     return {"vocab_chunk": vocab_chunk}
 
 
@@ -78,7 +81,7 @@ def abstract_step(hf_config: dict, cfg: PlanConfig, *, parallel_mode: str = "jit
     """(step, (params, opt_state, batch, frozen) as ShapeDtypeStructs, details): the SFT
     step the training command builds for this model and strategy, nothing allocated."""
     graphdef, params = hf.abstract_model(kit_config(hf_config, cfg))
-    options = chunk_option(sft.objective, cfg.vocab_chunk)
+    options = chunk_option(sft.objective, cfg.vocab_chunk, cfg.seq_chunk)
     if cfg.strategy == "full":
         objective, trained, frozen = sft.objective(graphdef, compute_dtype=cfg.compute_dtype, **options), params, None
     else:
@@ -91,7 +94,7 @@ def abstract_step(hf_config: dict, cfg: PlanConfig, *, parallel_mode: str = "jit
              for k in ("inputs", "targets", "loss_mask", "attention_mask")}
     step = train.make_step(objective, optimizer, parallel_mode=parallel_mode, donate=cfg.donate,
                            mesh=mesh if parallel_mode in ("dp", "fsdp", "shard_map") else None)
-    details = {"vocab_chunk_used": options.get("vocab_chunk"),
+    details = {"vocab_chunk_used": options.get("vocab_chunk"), "seq_chunk_used": options.get("seq_chunk"),
                "input_bytes": {name: tree_bytes(tree) for name, tree in
                                (("params", trained), ("opt_state", opt_state), ("batch", batch), ("frozen", frozen))}}
     return step, (trained, opt_state, batch, frozen), details

@@ -17,8 +17,9 @@ class PlanConfig:
     dtype under LoRA/QLoRA (the trained parameters are float32 either way). `n_layers`
     compiles that many blocks of the model (None: all of them). `vocab_chunk` is passed
     to the method's objective when it takes one (chunked log-probs); None: today's full
-    logits. `float32_activations=True` is the kit's step with its default model config
-    (`ModelConfig.dtype=None`): nnx.Embed fixes its output dtype to its initial float32
+    logits. `seq_chunk`: positions per row at a time on the chunked path (None: all at
+    once; it needs `vocab_chunk`). `float32_activations=True` is the kit's step with its
+    default model config (`ModelConfig.dtype=None`): nnx.Embed fixes its output dtype to its initial float32
     table, so with bfloat16 params every activation after the embedding is float32. False
     builds the model with `ModelConfig.dtype=compute_dtype`, so every layer computes in it.
     """
@@ -32,6 +33,7 @@ class PlanConfig:
     remat: bool = True
     donate: bool = True
     vocab_chunk: int | None = None
+    seq_chunk: int | None = None
     n_layers: int | None = None
     float32_activations: bool = False
 
@@ -45,10 +47,13 @@ class PlanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PlanConfig.{name} must be a positive int, got {value!r}.")
-        for name in ("n_layers", "vocab_chunk"):
+        for name in ("n_layers", "vocab_chunk", "seq_chunk"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"PlanConfig.{name} must be a positive int or None, got {value!r}.")
+        if self.seq_chunk is not None and self.vocab_chunk is None:
+            raise ValueError(f"PlanConfig.seq_chunk={self.seq_chunk!r} needs vocab_chunk (it chunks the chunked "
+                             "path's positions).")
 
 
 def before(cfg: PlanConfig) -> PlanConfig:
@@ -56,13 +61,13 @@ def before(cfg: PlanConfig) -> PlanConfig:
     donation, a float32 frozen base, full logits, float32 activations after the embedding
     (the default model config); remat as the issue's "today" rows (off for full
     fine-tuning, on for LoRA/QLoRA)."""
-    return dataclasses.replace(cfg, donate=False, base_dtype="float32", vocab_chunk=None,
+    return dataclasses.replace(cfg, donate=False, base_dtype="float32", vocab_chunk=None, seq_chunk=None,
                                remat=cfg.strategy != "full", float32_activations=True)
 
 
-def after(cfg: PlanConfig, vocab_chunk: int | None = None) -> PlanConfig:
+def after(cfg: PlanConfig, vocab_chunk: int | None = None, seq_chunk: int | None = None) -> PlanConfig:
     """The step with the remedies: donated state, a bfloat16 frozen base, per-block remat,
     layers that compute in the compute dtype (`ModelConfig.dtype`), and chunked log-probs
-    where the objective offers them (`vocab_chunk`)."""
+    where the objective offers them (`vocab_chunk`, `seq_chunk`)."""
     return dataclasses.replace(cfg, donate=True, base_dtype="bfloat16", remat=True, vocab_chunk=vocab_chunk,
-                               float32_activations=False)
+                               seq_chunk=seq_chunk, float32_activations=False)

@@ -21,18 +21,25 @@ ROWS = tuple((m, s) for m in MODELS for s in ("full", "lora", "qlora"))
 TARGET_GIB = {("Qwen3-0.6B", "lora"): 6.0, ("Qwen3-0.6B", "full"): 14.0, ("Llama-3.2-1B", "qlora"): 6.0}
 QUICK_ROWS = tuple(TARGET_GIB)
 VARIANTS = {"before": before, "after": after}
+CHUNKED = "after, chunked"  # the "after" step with chunked log-probs (vocab_chunk given): its rows' variant
 
 
-def jobs(rows, target_names) -> list[tuple]:
-    """(model, strategy, variant, target) to compile: before and after on every target,
-    except the v5e-8, where only the remedied step is planned (fsdp is one of the remedies)."""
-    return [(m, s, v, t) for t in target_names for (m, s) in rows for v in VARIANTS
+def variant_label(variant: str, vocab_chunk: int | None) -> str:
+    """A row's variant: "after, chunked" for the remedied step with chunked log-probs."""
+    return CHUNKED if variant == "after" and vocab_chunk is not None else variant
+
+
+def jobs(rows, target_names, variants=tuple(VARIANTS)) -> list[tuple]:
+    """(model, strategy, variant, target) to compile: `variants` (before and after) on every
+    target, except the v5e-8, where only the remedied step is planned (fsdp is one of the remedies)."""
+    return [(m, s, v, t) for t in target_names for (m, s) in rows for v in variants
             if not (t == "v5e-8" and v == "before")]
 
 
-def settings(base: PlanConfig, layers, vocab_chunk) -> dict:
+def settings(base: PlanConfig, layers, vocab_chunk, seq_chunk=None) -> dict:
     return {"batch_size": base.batch_size, "seq_len": base.seq_len, "compute_dtype": base.compute_dtype,
             "lora_rank": base.lora_rank, "layers_compiled": list(layers), "vocab_chunk": vocab_chunk,
+            "seq_chunk": seq_chunk,
             "total": "argument + output + temp - alias, per device",
             "extrapolation": "linear in depth through the depths compiled, to the model's full depth",
             "before": "no donation, float32 frozen base, full logits; remat off for full fine-tuning, on for "
@@ -43,19 +50,23 @@ def settings(base: PlanConfig, layers, vocab_chunk) -> dict:
 
 
 def run(out_dir: Path, *, rows=ROWS, target_names=targets.TARGETS, layers=(1, 2), vocab_chunk: int | None = None,
-        base: PlanConfig = PlanConfig(), progress=print) -> dict:
-    """Plan every job, writing DIR/memory.json after each (a long run keeps what it has)."""
+        seq_chunk: int | None = None, variants=tuple(VARIANTS), base: PlanConfig = PlanConfig(),
+        progress=print) -> dict:
+    """Plan every job, writing DIR/memory.json after each (a long run keeps what it has).
+    With `vocab_chunk` the remedied rows are "after, chunked" (`seq_chunk` too)."""
     missing = targets.libtpu_missing()
     skipped = [t for t in target_names if t != "cpu" and missing]
-    results = {"settings": settings(base, layers, vocab_chunk), "skipped_targets": {t: missing for t in skipped},
+    results = {"settings": settings(base, layers, vocab_chunk, seq_chunk),
+               "skipped_targets": {t: missing for t in skipped},
                "rows": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "memory.json"
-    for model, strategy, variant, target in jobs(rows, [t for t in target_names if t not in skipped]):
+    for model, strategy, variant, target in jobs(rows, [t for t in target_names if t not in skipped], variants):
         started = time.perf_counter()
         cfg = PlanConfig(**{**_base_fields(base), "strategy": strategy})
-        cfg = after(cfg, vocab_chunk) if variant == "after" else before(cfg)
-        row = {"model": model, "strategy": strategy, "variant": variant, **plan(model, cfg, target, layers=layers)}
+        cfg = after(cfg, vocab_chunk, seq_chunk) if variant == "after" else before(cfg)
+        row = {"model": model, "strategy": strategy, "variant": variant_label(variant, vocab_chunk),
+               **plan(model, cfg, target, layers=layers)}
         row["total_gib"] = row["full_depth"]["total_bytes"] / GIB
         target_gib = TARGET_GIB.get((model, strategy)) if target == "v5e" and variant == "after" else None
         row["target_gib"], row["meets_target"] = target_gib, None if target_gib is None else row["total_gib"] <= target_gib
@@ -84,7 +95,7 @@ def table(results: dict) -> str:
     """The rows as a text table, GiB per device at full depth (extrapolated rows marked
     with *; none where the extrapolation does not hold). total: arguments + outputs + temporaries - aliased; peak: the TPU compiler's own
     peak (the CPU backend's field holds only the arguments there, so it is left out)."""
-    head = f"{'model':<14}{'strategy':<9}{'target':<7}{'variant':<8}{'args':>8}{'outputs':>9}{'temps':>8}" \
+    head = f"{'model':<14}{'strategy':<9}{'target':<7}{'variant':<16}{'args':>8}{'outputs':>9}{'temps':>8}" \
            f"{'aliased':>9}{'total':>8}{'peak':>8}  target"
     lines = [head, "-" * len(head)]
     for r in results["rows"]:
@@ -92,10 +103,10 @@ def table(results: dict) -> str:
         goal = "" if r["target_gib"] is None else f"<= {r['target_gib']:g} {'met' if r['meets_target'] else 'MISSED'}"
         variant = r["variant"] + ("*" if r["extrapolated"] else "")
         if not extrapolation_holds(r):
-            lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}  no estimate: its "
+            lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<16}  no estimate: its "
                          "temporaries shrink from 1 to 2 layers; compile deeper")
             continue
-        lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<8}"
+        lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['target']:<7}{variant:<16}"
                      + "".join(f"{f[k] / GIB:>{w}.2f}" for k, w in (("argument_bytes", 8), ("output_bytes", 9),
                                                                       ("temp_bytes", 8), ("alias_bytes", 9),
                                                                       ("total_bytes", 8)))
