@@ -90,3 +90,14 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
     return value
 
+
+def in_unit_interval(meaning: str):
+    """An argparse type for a number in [0, 1]; out of range, the error says `meaning`."""
+
+    def parse(text: str) -> float:
+        value = number(text)
+        if not 0 <= value <= 1:
+            raise argparse.ArgumentTypeError(f"{value} {meaning}")
+        return value
+
+    return parse

@@ -9,7 +9,6 @@ examples: the step all-reduces the sum and the example count and divides once.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import ClassVar
 
@@ -18,17 +17,13 @@ from jax import lax
 
 from tunix_nb import checkpoint, data, losses, vocab_chunks
 from tunix_nb import model as model_lib
-from tunix_nb.config_flags import number, option
+from tunix_nb.config_flags import in_unit_interval, option
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
 TEACHER_DIR = data.DATA_DIR / "teacher"  # the teacher shipped with the kit
 
 
-def _divergence(text: str) -> float:
-    value = number(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1] for distill (0 forward KL, 1 reverse KL)")
-    return value
+_divergence = in_unit_interval("must be in [0, 1] for distill (0 forward KL, 1 reverse KL)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,24 +30,19 @@ returns a `rollout_fn` for `train.run_on_policy`, with the teacher as its `froze
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
 
 from tunix_nb import data, grpo
-from tunix_nb.config_flags import number, option, positive_float, positive_int
+from tunix_nb.config_flags import in_unit_interval, option, positive_float, positive_int
 from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 
 DEFAULT_TEMPERATURE, DEFAULT_MAX_NEW_TOKENS = 1.0, 8  # as grpo.GRPOConfig's
 
 
-def _share(text: str) -> float:
-    value = number(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is a share of steps, in [0, 1]")
-    return value
+_share = in_unit_interval("is a share of steps, in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
