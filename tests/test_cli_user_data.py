@@ -126,6 +126,23 @@ def test_grpo_reads_prompts_and_passes_the_other_columns_to_your_reward(tmp_path
     assert "rewards/matches_answer/mean" in record and 0 <= record["rewards/matches_answer/mean"] <= 1
 
 
+def test_grpo_hands_conversational_completions_to_your_reward_as_trl_does(tmp_path, monkeypatch):
+    """Conversational prompts: each completion reaches the reward as [{"role": "assistant", "content": ...}]."""
+    (tmp_path / "chat_rewards.py").write_text(
+        "def short_reply(prompts, completions, **_):\n"
+        "    assert all(isinstance(p, list) and p[-1]['role'] == 'user' for p in prompts), prompts[:1]\n"
+        "    assert all(len(c) == 1 and c[0]['role'] == 'assistant' for c in completions), completions[:1]\n"
+        "    return [float(len(c[0]['content']) < 20) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{a}?"}]} for a in range(8)]
+    (tmp_path / "chat_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = tmp_path / "m.jsonl"
+    assert _run(["grpo", "--model", QWEN3, "--train-file", tmp_path / "chat_prompts.jsonl",
+                 "--reward-funcs", "chat_rewards:short_reply", "--rewards", "", "--steps", 1, "--batch-size", 4,
+                 "--group-size", 2, "--max-new-tokens", 8, "--metrics-file", metrics]) == 0
+    assert 0 <= json.loads(metrics.read_text().splitlines()[-1])["rewards/short_reply/mean"] <= 1
+
+
 @pytest.mark.parametrize("lora_flags", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_killed_between_saves_resumes_bitwise_on_your_model_and_data(chat_files, tmp_path, lora_flags):
     from tunix_nb import compare, preempt

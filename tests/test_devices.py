@@ -221,3 +221,12 @@ def test_auto_compute_dtype_is_float32_on_gpus_without_native_bfloat16():
     assert devices.defaults_for("cuda", compute_capability="7.0").compute_dtype == "float32"
     for capability in ("8.0", "8.9", "9.0"):
         assert devices.defaults_for("gpu", compute_capability=capability).compute_dtype == "bfloat16"
+    assert "compute capability 7.5 has no native bfloat16" in devices.defaults_for(
+        "gpu", compute_capability="7.5").reason
+
+
+def test_the_command_says_which_dtype_auto_chose(tmp_path, capsys):
+    from tunix_nb import cli
+
+    assert cli.main(["sft", "--steps", "1", "--batch-size", "4", "--metrics-file", str(tmp_path / "m.jsonl")]) == 0
+    assert "--compute-dtype auto: float32 (CPUs have no fast bfloat16 matmul)" in capsys.readouterr().out

@@ -109,20 +109,22 @@ def test_sft_weight_adds_the_mean_nll_of_all_chosen_tokens(setup, length_normali
 
 
 def test_bfloat16_reference_is_cached_in_bfloat16(setup):
-    """compute_dtype reaches the cached reference: at step 0 policy == reference (loss ln 2),
-    and a step with the cached reference equals one that runs the reference in the step."""
+    """compute_dtype reaches the cached reference, and a step with the cached reference equals
+    one that runs the reference in the step. Scored in the step's program shape (batches of 16):
+    bfloat16 sums round differently with the batch shape (at 48: 3e-4 off ln 2 at step 1)."""
     graphdef, params, pairs = setup
-    pairs = dpo.reference_log_probs(graphdef, params, pairs, batch_size=48, compute_dtype=jnp.bfloat16)
+    pairs = dpo.reference_log_probs(graphdef, params, pairs, batch_size=16, compute_dtype=jnp.bfloat16)
     b = batch(pairs, 0)
-    in_bf16, _ = dpo.pair_log_probs(graphdef, precision.cast_floats(params, jnp.bfloat16), b)
-    in_f32, _ = dpo.pair_log_probs(graphdef, params, b)
+    score = jax.jit(lambda p, rows: dpo.pair_log_probs(graphdef, p, rows)[0])
+    in_bf16, in_f32 = score(precision.cast_floats(params, jnp.bfloat16), b), score(params, b)
     assert np.abs(in_bf16 - in_f32).max() > 1e-3  # the two precisions are told apart
     np.testing.assert_allclose(b["ref_chosen_logps"], in_bf16, rtol=1e-6)
     runs = {cached: run_dpo((graphdef, params, pairs), "jit", cached=cached, steps=1, compute_dtype=jnp.bfloat16)
             for cached in (True, False)}
     (cached, _, hist_c), (recomputed, _, hist_r) = runs[True], runs[False]
-    np.testing.assert_allclose(hist_c[0]["loss"], np.log(2), atol=1e-6)
     np.testing.assert_allclose(hist_c[0]["loss"], hist_r[0]["loss"], atol=1e-6)
+    # bfloat16 gradients round the policy's forward apart from the reference's: near ln 2, not at it
+    np.testing.assert_allclose(hist_c[0]["loss"], np.log(2), atol=1e-3)
     assert compare.max_abs_diff(cached, recomputed) <= 1e-6
 
 
@@ -194,15 +196,32 @@ def test_auto_compute_dtype_is_float32_on_cpu():
     assert precision.resolve_compute_dtype(jnp.float32) is None
 
 
-def test_the_command_starts_at_ln2_in_bfloat16(tmp_path):
-    """The cached reference is scored in the step's batch shape: in bfloat16 a reference scored
-    in chunks of 256 and a policy stepping on 8 rounded apart (step-1 loss 0.6929831)."""
+def test_the_command_caches_the_reference_as_a_step_scores_it_in_bfloat16(tmp_path):
+    """The cached reference is scored in the step's batch shape, so step 1 of the command equals
+    step 1 with `--reference-in-step` to 1e-6 in bfloat16 (scored in chunks of 256 while the policy
+    stepped on 8, the two were 2e-4 apart), and both start at ln 2 to within bfloat16's rounding."""
+    import json
+    import math
+
+    from tunix_nb import cli
+
+    losses_by_mode = {}
+    for extra in ([], ["--reference-in-step"]):
+        metrics = tmp_path / f"m{len(extra)}.jsonl"
+        assert cli.main(["dpo", "--steps", "1", "--batch-size", "8", "--compute-dtype", "bfloat16",
+                         "--metrics-file", str(metrics), *extra]) == 0
+        losses_by_mode[bool(extra)] = json.loads(metrics.read_text())["loss"]
+    assert losses_by_mode[False] == pytest.approx(losses_by_mode[True], abs=1e-6)
+    assert losses_by_mode[False] == pytest.approx(math.log(2), abs=1e-3)
+
+
+def test_the_command_starts_at_ln2_in_float32(tmp_path):
     import json
     import math
 
     from tunix_nb import cli
 
     metrics = tmp_path / "m.jsonl"
-    assert cli.main(["dpo", "--steps", "1", "--batch-size", "8", "--compute-dtype", "bfloat16",
+    assert cli.main(["dpo", "--steps", "1", "--batch-size", "8", "--reference-in-step",
                      "--metrics-file", str(metrics)]) == 0
     assert json.loads(metrics.read_text())["loss"] == pytest.approx(math.log(2), abs=1e-6)

@@ -344,6 +344,37 @@ def test_offline_hub_ids_say_to_go_online_or_pass_a_folder(monkeypatch, tmp_path
         hf.resolve("someone/no-such-model", revision="v1")
 
 
+def hub_cache_holding(cache: Path, repo_id: str, folder: Path, commit: str = "0" * 40) -> Path:
+    """A Hugging Face Hub cache in which `repo_id` at `main` is `folder`'s files, in the layout
+    huggingface_hub writes (refs/main names the commit; snapshots/<commit>/ holds the files)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    return repo / "snapshots" / commit
+
+
+def test_a_hub_id_resolves_through_the_hub_cache_and_trains(monkeypatch, tmp_path):
+    """The online path without a network: a Hub id (and a pinned commit) found in the Hub cache
+    is what `--model` loads, with the same fingerprint as the folder it holds."""
+    from huggingface_hub import constants
+
+    from tunix_nb import cli
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = hub_cache_holding(tmp_path / "hub", "someone/tiny-qwen3", kit_exports.FIXTURES / "qwen3")
+    assert hf.resolve("someone/tiny-qwen3") == snapshot
+    assert hf.resolve("someone/tiny-qwen3", revision="0" * 40) == snapshot
+    assert hf.source_fingerprint(snapshot) == hf.source_fingerprint(kit_exports.FIXTURES / "qwen3")
+    with pytest.raises(hf.CheckpointError, match="at revision 'v2'"):
+        hf.resolve("someone/tiny-qwen3", revision="v2")
+    metrics = tmp_path / "m.jsonl"
+    assert cli.main(["sft", "--model", "someone/tiny-qwen3", "--steps", "1", "--batch-size", "4",
+                     "--metrics-file", str(metrics)]) == 0
+    assert np.isfinite(json.loads(metrics.read_text().splitlines()[0])["loss"])
+
+
 @pytest.mark.parametrize("error, message", [
     ("GatedRepoError", "gated model: accept its licence .* set HF_TOKEN"),
     ("RepositoryNotFoundError", "No such repository, or a private/gated one .* set HF_TOKEN"),

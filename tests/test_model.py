@@ -64,6 +64,22 @@ def test_bfloat16_compute_keeps_float32_params():
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
 
 
+def test_params_cast_to_bfloat16_compute_in_bfloat16_from_the_embedding_on(tiny):
+    """compute_dtype=None follows the params (what precision.cast_floats relies on): nnx.Embed
+    fixes float32 when built, which would turn the whole pass back into float32."""
+    from tunix_nb import precision
+
+    graphdef, params = tiny
+    in_bf16 = precision.cast_floats(params, jnp.bfloat16)
+    tokens = jnp.ones((2, 5), jnp.int32)
+    assert M.hidden_states(graphdef, in_bf16, tokens).dtype == jnp.bfloat16
+    jaxpr = jax.make_jaxpr(lambda p: M.hidden_states(graphdef, p, tokens))(in_bf16)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots += [e for eqn in jaxpr.eqns for sub in jax.core.subjaxprs(eqn) for e in sub.eqns
+             if e.primitive.name == "dot_general"] if hasattr(jax.core, "subjaxprs") else []
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+
 def test_greedy_generate_matches_step_by_step_argmax(tiny):
     graphdef, params = tiny
     prompt = jnp.array([[0, 0, 1, 40, 41], [1, 50, 51, 52, 53]])

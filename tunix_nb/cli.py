@@ -335,8 +335,12 @@ def resolve_config(args) -> RunConfig:
         method = dataclasses.replace(method, init_from=_init_from(args, model_name, model_dir))
         model_name = model_name or _preset_of(method.init_from)
     model_name = model_name or "student"
-    training = config_flags.from_args(TrainingConfig, args, compute_dtype=(
-        devices.defaults_for().compute_dtype if args.compute_dtype == "auto" else args.compute_dtype))
+    compute_dtype = args.compute_dtype
+    if compute_dtype == "auto":
+        chosen = devices.defaults_for()
+        compute_dtype = chosen.compute_dtype
+        print(f"--compute-dtype auto: {compute_dtype} ({chosen.reason})")
+    training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype)
     lora_config, gkd_config = LoRAConfig(), None
     try:
         if args.command in LORA_COMMANDS:
@@ -646,19 +650,28 @@ def _sft_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method
 
 def _dpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
     t, options = trainable(config, graphdef, params), config.method
-
-    # cached once: the reference never changes (LoRA: the base, adapters off). Scored in the step's
-    # batch shape: in bfloat16 another shape rounds apart, and step 1 would not start at ln 2.
-    def with_reference(rows):
-        return dpo.reference_log_probs(t.graphdef, t.reference(), rows, length_normalize=options.length_normalize,
-                                       compute_dtype=dtype, batch_size=config.batch_size, **chunks_of(config))
-
     objective = dpo.objective(t.graphdef, beta=options.beta, loss_type=options.loss_type,
                               sft_weight=options.sft_weight, length_normalize=options.length_normalize,
-                              compute_dtype=dtype, **chunks_of(config))
+                              cached_reference=not options.reference_in_step, compute_dtype=dtype,
+                              **chunks_of(config))
+    if options.reference_in_step:  # the step scores the reference: its own copy, as the policy's is donated
+        import jax
+        import jax.numpy as jnp
+
+        reference = t.frozen(jax.tree.map(jnp.copy, t.reference()))
+        with_reference = lambda rows: rows  # noqa: E731
+    else:
+        reference = t.frozen()
+
+        # cached once: the reference never changes (LoRA: the base, adapters off). Scored in the step's
+        # batch shape: in bfloat16 another shape rounds apart, and step 1 would not start at ln 2.
+        def with_reference(rows):
+            return dpo.reference_log_probs(t.graphdef, t.reference(), rows, length_normalize=options.length_normalize,
+                                           compute_dtype=dtype, batch_size=config.batch_size, **chunks_of(config))
+
     eval_rows = with_reference(training_arrays(config, tokenizer, "eval")) if with_eval else None
     return Method(t.graphdef, t.params, with_reference(training_arrays(config, tokenizer)), t.objective(objective),
-                  frozen=t.frozen(), exportable=t.exportable, eval_rows=eval_rows, lora_alpha=t.alpha)
+                  frozen=reference, exportable=t.exportable, eval_rows=eval_rows, lora_alpha=t.alpha)
 
 
 def _grpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
@@ -747,9 +760,10 @@ def _try_rewards(reward_set, examples) -> None:
 
     columns = {k: [e[k] for e in examples] for k in examples[0] if k != "prompt"}
     # the reference answers where the data has them (the shipped task), else empty completions
-    completions = [e.get("completion", "") for e in examples]
+    prompts = [e["prompt"] for e in examples]
+    completions = rewards.for_reward_functions(prompts, [e.get("completion", "") for e in examples])
     try:
-        reward_set([e["prompt"] for e in examples], completions, **columns)
+        reward_set(prompts, completions, **columns)
     except rewards.RewardError as err:
         raise RunError(f"--reward-funcs: {err} (tried on the first {len(examples)} examples, their reference "
                        "answers as the completions). Nothing was changed.")

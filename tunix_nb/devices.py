@@ -219,6 +219,7 @@ class BackendDefaults:
     backend: str
     compute_dtype: str  # "float32" or "bfloat16"
     param_dtype: str = "float32"
+    reason: str = ""  # why this compute dtype, for `--compute-dtype auto` to say
 
 
 def defaults_for(backend: str | None = None, *, compute_capability: str | None = None) -> BackendDefaults:
@@ -238,11 +239,15 @@ def defaults_for(backend: str | None = None, *, compute_capability: str | None =
     if backend in ("gpu", "cuda"):
         capability = compute_capability or _gpu_compute_capability()
         if capability is not None and float(capability) < MIN_BF16_COMPUTE_CAPABILITY:
-            return BackendDefaults(backend=backend, compute_dtype="float32")
+            return BackendDefaults(backend=backend, compute_dtype="float32", reason=(
+                f"a GPU of compute capability {capability} has no native bfloat16, and float16 would "
+                "need loss scaling"))
     if backend in ("tpu", "gpu", "cuda", "rocm"):
-        return BackendDefaults(backend=backend, compute_dtype="bfloat16")
+        return BackendDefaults(backend=backend, compute_dtype="bfloat16",
+                               reason=f"{backend} has native bfloat16 matmuls")
     if backend == "cpu":
-        return BackendDefaults(backend=backend, compute_dtype="float32")
+        return BackendDefaults(backend=backend, compute_dtype="float32",
+                               reason="CPUs have no fast bfloat16 matmul")
     raise ValueError(f"Unknown backend {backend!r}; expected 'cpu', 'gpu' or 'tpu'.")
 
 

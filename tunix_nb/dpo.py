@@ -47,6 +47,9 @@ class DPOConfig:
                                help="weight of an SFT term on the chosen answers (RPO) (default: 0)")
     length_normalize: bool = option(False, switch=True, help="compare per-token mean log-probs instead of "
                                     "sums (what IPO wants)")
+    reference_in_step: bool = option(False, switch=True, help="run the frozen reference in every step instead "
+                                     "of scoring it once before training (TRL's precompute_ref_log_probs=False): "
+                                     "one more forward pass per step, nothing cached")
 
 
 def _stacked_pair(batch):

@@ -294,7 +294,8 @@ def rollout(sample: Callable, params, reference, prompts: dict, examples: Sequen
     texts = completion_texts(batch, tokenizer)
     rows = [e for e in examples for _ in range(G)]
     columns = {k: [e[k] for e in rows] for k in rows[0] if k != "prompt"}
-    scored = reward_set([e["prompt"] for e in rows], texts, **columns)
+    prompt_values = [e["prompt"] for e in rows]
+    scored = reward_set(prompt_values, rewards_lib.for_reward_functions(prompt_values, texts), **columns)
     batch["advantages"] = np.asarray(losses.group_advantages(scored.total, G, estimator=estimator))
     lengths = batch["completion_mask"].sum(axis=1)
     metrics = {**rewards_lib.reward_metrics(scored, G), "completions/mean_length": float(lengths.mean()),

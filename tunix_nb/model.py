@@ -386,6 +386,8 @@ class Transformer(nnx.Module):
     def _hidden(self, tokens_BxL, positions_BxL, allowed_BxLxS, caches=None, index=None):
         """(final-normed hidden states [B, L, D], the caches with these tokens written in, or None)."""
         x = self.embed(tokens_BxL)
+        if self.cfg.dtype is None:  # compute follows the params: nnx.Embed fixed float32 when it was built
+            x = x.astype(jnp.result_type(self.embed.embedding[...]))
         if caches is None and self.cfg.remat:  # a training pass: no cache to fill
             for block in self.blocks:
                 x = _remat_block(block, x, positions_BxL, allowed_BxLxS)

@@ -5,7 +5,9 @@ RLLearner:
 
     reward_fn(prompts, completions, **example) -> list[float]     one reward per completion
 
-`prompts` and `completions` are lists of strings of the same length; `example` holds
+`prompts` and `completions` are lists of the same length: strings, or with conversational
+data (prompts that are lists of {"role", "content"} messages) TRL's form, each completion
+a list holding one assistant message (`for_reward_functions`); `example` holds
 the data set's columns, one entry per completion (with G completions per prompt,
 repeat each prompt's row G times). The kit's columns are `completion` (the reference
 answer) and `task` (one of `data.TASKS`). Completions are compared as they are, with
@@ -71,6 +73,15 @@ def _check_pairs(prompts, completions, fn_name):
             f"{fn_name} got {len(prompts)} prompts but {len(completions)} completions: pass "
             "one prompt per completion (repeat each prompt G times for G completions)"
         )
+
+
+def for_reward_functions(prompts: Sequence, texts: Sequence[str]) -> list:
+    """The completions as TRL hands them to reward functions: the texts for standard prompts;
+    for conversational prompts (lists of messages), [{"role": "assistant", "content": text}] each,
+    so a reward written for TRL's conversational data runs unchanged."""
+    if len(prompts) and not isinstance(prompts[0], str):
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return list(texts)
 
 
 def exact_match(prompts, completions, **example) -> list[float]:
