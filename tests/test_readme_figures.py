@@ -1,34 +1,42 @@
-"""Every figure the README quotes is the one its source stored: a notebook's output or a record in results/.
+"""Every figure the README and the pages under docs/ quote is the one its source stored: a
+notebook's output or a record in results/.
 
-`FIGURES` is the registry: one entry per number the README prints, saying where in the
-README it stands and where it was measured. When the notebooks are re-executed or the
-benchmark is rerun, timing figures change and a test here fails with the figure, the
-README's value, the stored value at the README's precision, and where it is stored:
-copy the stored value into the README. A number added to one of the README's tables
-must be registered here (`test_every_number_in_the_readme_tables_is_registered`).
+`FIGURES` is the registry: one entry per number a page prints, saying on which page
+(`PAGES`) and where on it the number stands, and where it was measured. When the notebooks
+are re-executed or the benchmark is rerun, timing figures change and a test here fails with
+the figure, the page's value, the stored value at the page's precision, and where it is
+stored. `python tests/test_readme_figures.py` copies every stored value into its page. A
+number added to one of the pages' tables (`TABLES`) must be registered here
+(`test_every_number_in_the_tables_is_registered`).
 
 How an entry reads:
-- `readme`: the README text around the number, literally (line breaks and indentation
+- `page`: the file it is quoted in, relative to the repository root (README.md unless the
+  entry is placed on a docs page with `on(PAGE, [...])`).
+- `text`: the page's text around the number, literally (line breaks and indentation
   count as one space), with `{}` where the figure stands, `{n}` for any other number and
-  `{...}` for any text within a table cell. It must occur exactly once.
+  `{...}` for any text within a table cell. It must occur exactly once on the page.
 - `source`: a notebook in notebooks/, or a record in results/ ("bench.json",
-  "compile_cache.json"). `where`, for a notebook, is a
+  "compile_cache.json", "memory.json", ...). `where`, for a notebook, is a
   regular expression over one code cell's stored output (text and text/plain), with
   `{}` for each number it reads and `{n}` for a number it skips, matching exactly one
   cell; or `WALL`, the cells' wall time from the execution timestamps the notebook
   keeps. For a record, `where` is a key path ("figures.x.value", or a tuple of keys where
   a key holds a dot), or several.
 - `combine` makes several numbers one ("max", "ratio" a/b, "difference" a-b), and
-  `scale` converts the stored unit to the README's (1e3: seconds to ms, 100: to %).
-The README's value must equal the stored one rounded to as many decimals as the README
+  `scale` converts the stored unit to the page's (1e3: seconds to ms, 100: to %).
+The page's value must equal the stored one rounded to as many decimals as the page
 prints (for 2.4e-7: the mantissa's).
+
+The README's headline results are rows of docs/results.md's table quoted whole: every
+figure of a docs/results.md row that the README repeats word for word is checked in the
+README too (`quoted_rows`), so the two stay the same.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -36,7 +44,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+README, RESULTS, BENCHMARKS = "README.md", "docs/results.md", "docs/benchmarks.md"
+LAYOUT, MULTIPROCESS = "docs/layout.md", "docs/multiprocess.md"
+PAGES = (README, RESULTS, BENCHMARKS, LAYOUT, MULTIPROCESS)  # the pages that quote figures
 BENCH = "bench.json"
 CACHE = "compile_cache.json"
 WALL = "cells' wall time"
@@ -46,24 +56,64 @@ NUMBER = r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 @dataclass(frozen=True)
 class Figure:
     name: str
-    readme: str
+    text: str
     source: str
     where: str | tuple[str, ...]
     combine: str = "one"
     scale: float = 1.0
+    page: str = README
 
 
-def nb(name, readme, notebook, where, **kw):
-    return Figure(name, readme, notebook, where, **kw)
+def nb(name, text, notebook, where, **kw):
+    return Figure(name, text, notebook, where, **kw)
 
 
-def bench(name, readme, *keys, **kw):
-    return Figure(name, readme, BENCH, keys, **kw)
+def bench(name, text, *keys, **kw):
+    return Figure(name, text, BENCH, keys, **kw)
 
 
-def cache_record(name, readme, *keys, **kw):
+def cache_record(name, text, *keys, **kw):
     """A figure from results/compile_cache.json: the suite and the notebooks with and without the cache."""
-    return Figure(name, readme, CACHE, keys, **kw)
+    return Figure(name, text, CACHE, keys, **kw)
+
+
+def memory(name, text, *keys, **kw):
+    """A figure from results/memory.json: the memory plan's settings (its table is tests/test_docs_benchmarks.py's)."""
+    return Figure(name, text, "memory.json", keys, **kw)
+
+
+def on(page: str, figures: list[Figure]) -> list[Figure]:
+    """`figures`, quoted on `page` (a path under the repository root) instead of the README."""
+    assert page in PAGES, f"{page} is not in PAGES: add it there"
+    return [replace(f, page=page) for f in figures]
+
+
+def page_text(page: str) -> str:
+    return (ROOT / page).read_text()
+
+
+def text_pattern(template: str) -> re.Pattern:
+    """A page template as a regex: {} captures the figure; whitespace runs match any whitespace."""
+    placeholders = {"{}": f"({NUMBER})", "{n}": NUMBER, "{...}": r"[^|\n]*"}
+    parts = re.split(r"(\{\}|\{n\}|\{\.\.\.\})", template)
+    literal = lambda part: re.escape(re.sub(r"\s+", " ", part)).replace(r"\ ", r"\s+")  # noqa: E731
+    return re.compile("".join(placeholders.get(part) or literal(part) for part in parts))
+
+
+def quoted_rows(figures: list[Figure], page: str) -> list[Figure]:
+    """The figures among `figures` whose whole table row `page` repeats word for word, placed on `page`
+    too (named "... (page)"). A figure not found once on its own page is left to the test that says so."""
+    lines_there, out = set(page_text(page).split("\n")), []
+    for fig in figures:
+        source = page_text(fig.page)
+        matches = list(text_pattern(fig.text).finditer(source))
+        if len(matches) == 1:
+            start = source.rfind("\n", 0, matches[0].start()) + 1
+            end = source.find("\n", matches[0].end())
+            row = source[start:end if end >= 0 else len(source)]
+            if row.startswith("|") and row in lines_there:
+                out.append(replace(fig, name=f"{fig.name} ({page})", page=page))
+    return out
 
 
 N00, N01, N02, N03 = "00_devices_and_setup", "01_vmap_kl_distillation", "02_distilling_a_student", "03_pmap_sft"
@@ -80,7 +130,7 @@ def gain_paths(*path):
     return [(*path, "mean"), (*path, "ci95", 0), (*path, "ci95", 1)]
 
 
-# (lesson, record, the README row with {} where each figure stands, the figures' key paths under "summary", scale)
+# (lesson, record, the docs/results.md row with {} where each figure stands, the key paths under "summary", scale)
 EXPERIMENT_ROWS = [
     ("02", L02, "| 02 | test exact match at 300 labels (5 seeds, 1000 test prompts): hard labels only / plus the "
                 "teacher's greedy answers to 4000 unlabelled prompts / distilled on them | {}% / {}% / {}% |",
@@ -140,7 +190,7 @@ def experiment_figures():
     """The multi-seed experiments' rows (lessons 02, 08, 11): their records' summaries in results/.
 
     `{±}` in a row stands for the sign of the figure after it, read from the record: a
-    gain is printed "+30.1 (+27.0 to +33.2)", and the README's signs must be the stored ones
+    gain is printed "+30.1 (+27.0 to +33.2)", and the page's signs must be the stored ones
     too (the figure's digits are compared as for every other figure, `combine="abs"`)."""
     out = []
     for lesson, source, row, paths, scale in EXPERIMENT_ROWS:
@@ -174,7 +224,7 @@ LORA_ROWS = {"full fine-tuning": "full", "LoRA r1": "lora r1", "LoRA r4": "lora 
 
 
 def lora_table_figures():
-    """Every cell of the README's LoRA table: shares, bytes, and time and FLOPs relative to full."""
+    """Every cell of docs/benchmarks.md's LoRA table: shares, bytes, and time and FLOPs relative to full."""
     out = []
     for label, key in LORA_ROWS.items():
         row, full = f"{LORA}table.{key}.", f"{LORA}table.full."
@@ -186,8 +236,8 @@ def lora_table_figures():
                  ("exact match", "{}%", (row + "exact_match",), "one", 100.0)]
         for i, (column, template, keys, combine, scale) in enumerate(cells):
             before = " | ".join(["{n}%" if c[1].endswith("%") else "{n}" for c in cells[:i]])
-            readme = f"| {label} | " + (before + " | " if before else "") + template + " |"
-            out.append(bench(f"LoRA table: {label}, {column}", readme, *keys, combine=combine, scale=scale))
+            text = f"| {label} | " + (before + " | " if before else "") + template + " |"
+            out.append(bench(f"LoRA table: {label}, {column}", text, *keys, combine=combine, scale=scale))
     return out
 
 # The benchmark table: row label (as printed before the first number) -> figure, and
@@ -235,10 +285,23 @@ def bench_table_figures():
     return out
 
 
-FIGURES = [
+# Each page's figures, in the order the page quotes them (roughly). `on(PAGE, [...])` places them.
+README_FIGURES = [
     # ------------------------------------------------------------ Learning path: the cells' time
     *[nb(f"{n[:2]} cells' time", f"(notebooks/{n}.ipynb) | {{...}} | {{}} s |", n, WALL)
       for n in (N00, N01, N02, N03, N04, N05, N06, N07, N08, N09, N10, N11, N12)],
+    # ------------------------------------------------------------ Quick start: the test command's time
+    cache_record("the test command's time", "The test command took {} s", "runs.cold_latest.suite_seconds"),
+    cache_record("the test command's tests", "s ({} tests, on two pytest-xdist", "runs.cold_latest.tests.passed"),
+    cache_record("lesson 11 in the last run", "lesson 11's {} s of cells included",
+                 "runs.cold_latest.notebook_cell_seconds.11_on_policy_distillation"),
+    cache_record("the code before", "the code before lesson 11 took {} s,", "runs.cold.suite_seconds"),
+    cache_record("the code before, again", "lesson 11 took {n} s, {} s and", "runs.cold_again.suite_seconds"),
+    cache_record("the code before, a third time", "s and {} s in three such runs", "runs.cold_third.suite_seconds"),
+    cache_record("the test command warm", "and {} s when a run before it had", "runs.warm.suite_seconds"),
+]
+
+RESULTS_FIGURES = on(RESULTS, [
     # ------------------------------------------------------------ Results the lessons measure
     nb("09 logits against transformers", "float32's bound 2.8e-4) | {} |", N09,
        r"largest difference {}, within {n} \(logits' std"),
@@ -268,20 +331,6 @@ FIGURES = [
     *[Figure(f"08 pilot gate {key}", "| 08 | the long student's pilot gate on the validation split: greedy / pass@1 / "
              "pass@8 at temperature 1 | " + " / ".join("{}%" if k == key else "{n}%" for k in GATE) + " |", L08,
              (("setup", "gate", key),), scale=100) for key in GATE],
-    *tunix_table_figures(),
-    Figure("tunix sft kit GFLOP", "XLA counts {} and {n} GFLOP per", TUNIX,
-           (("figures", "sft", "1", "gradient_profile", "xla_cost", "kit", "flops"),), scale=1e-9),
-    Figure("tunix sft Tunix GFLOP", "XLA counts {n} and {} GFLOP per", TUNIX,
-           (("figures", "sft", "1", "gradient_profile", "xla_cost", "tunix", "flops"),), scale=1e-9),
-    Figure("tunix sft losses agree", "The losses agree at every step, to {} relative on 1 device", TUNIX,
-           (("figures", "sft", "1", "losses", "max_relative_difference"),)),
-    Figure("tunix dpo reference share", "(`tunix_prepare`, {} of its step on 1 device)", TUNIX,
-           (("figures", "dpo", "1", "seconds", "tunix_prepare"), ("figures", "dpo", "1", "seconds", "tunix")),
-           combine="ratio"),
-    Figure("tunix dpo host batch", "then takes {} and its distillation step", TUNIX,
-           (("figures", "dpo", "8", "kit_over_tunix_host_batch", "median"),)),
-    Figure("tunix distill host batch", "its distillation step {} of Tunix's on 8 devices", TUNIX,
-           (("figures", "distill", "8", "kit_over_tunix_host_batch", "median"),)),
     nb("10 full after 100 steps", "QLoRA nf4 r16 | {}% /", N10, r"full {}%, LoRA r16"),
     nb("10 LoRA after 100 steps", "QLoRA nf4 r16 | {n}% / {}% /", N10, r"LoRA r16 {}%\n"),
     nb("10 QLoRA after 100 steps", "QLoRA nf4 r16 | {n}% / {n}% / {}% |", N10, r"after {n} steps {}%\n"),
@@ -329,24 +378,10 @@ FIGURES = [
     nb("06 FSDP / DP bytes per device", "8 devices, teacher | {} |", N06, r"teacher\s+{n}\s+{n}\s+{n}\s+{}"),
     nb("06 2x4 vs 1x8 (results table)", "after 10 FSDP steps | {} |",
        N06, r"2 processes x 4 devices vs 1 process x 8 devices: {}"),
+])
+
+BENCHMARK_FIGURES = on(BENCHMARKS, [
     # ------------------------------------------------------------ the benchmark table
-    *lora_table_figures(),
-    bench("lora study: steps", "student (55.0% held-out exact match), {} steps of", LORA + "steps"),
-    bench("lora study: start", "student ({}% held-out exact match), 300", LORA + "exact_match_before", scale=100),
-    bench("lora study: batch", "steps of {} fresh prompts", LORA + "batch_size"),
-    bench("lora study: quantised loss", "the quantised student's loss is {} against", LORA + "table.qlora nf4 r16.loss_first"),
-    bench("lora study: float loss", "loss is {n} against {})", LORA + "table.full.loss_first"),
-    bench("LoRA r16 time in prose", "says ({} of the time for", LORA + "table.lora r16.step_seconds",
-          LORA + "table.full.step_seconds", combine="ratio"),
-    bench("LoRA r16 FLOPs in prose", "of the time for {} of the FLOPs at rank 16)", LORA + "table.lora r16.step_flops",
-          LORA + "table.full.step_flops", combine="ratio"),
-    bench("QLoRA points lost", "and {} points at the end", LORA + "table.full.exact_match",
-          LORA + "table.qlora nf4 r16.exact_match", combine="difference", scale=100),
-    bench("thin matmul r4 time", "projection at {} of the dense x W", P + "r4.time_over_dense"),
-    bench("thin matmul r4 flops", "dense x W for {} of its FLOPs at rank 4", P + "r4.flops_over_dense"),
-    bench("thin matmul r16 time", "and {} for {n} at rank 16;", P + "r16.time_over_dense"),
-    bench("thin matmul r16 flops", "and {n} for {} at rank 16;", P + "r16.flops_over_dense"),
-    bench("rounds per figure", "per-round ratios over {} rounds", "settings.repeats"),
     *bench_table_figures(),
     bench("loop / vmap at B = 1", "(B = 64; {}x at B = 1",
           F + "vmap_speedup_over_loop.curve.1.loop_over_vmap"),
@@ -459,14 +494,6 @@ FIGURES = [
     cache_record("empty cache over off again", "in one run and {n} s ({}) in another", "cold_again_over_off"),
     cache_record("cache entries", "then held {} programs", "cache_after_cold_run.entries"),
     cache_record("cache size", "programs in {} MB", "cache_after_cold_run.megabytes"),
-    cache_record("the test command's time", "The test command took {} s", "runs.cold_latest.suite_seconds"),
-    cache_record("the test command's tests", "s ({} tests, on two pytest-xdist", "runs.cold_latest.tests.passed"),
-    cache_record("lesson 11 in the last run", "lesson 11's {} s of cells included",
-                 "runs.cold_latest.notebook_cell_seconds.11_on_policy_distillation"),
-    cache_record("the code before", "the code before lesson 11 took {} s,", "runs.cold.suite_seconds"),
-    cache_record("the code before, again", "lesson 11 took {n} s, {} s and", "runs.cold_again.suite_seconds"),
-    cache_record("the code before, a third time", "s and {} s in three such runs", "runs.cold_third.suite_seconds"),
-    cache_record("the test command warm", "and {} s when a run before it had", "runs.warm.suite_seconds"),
     cache_record("a third empty-cache run", "in another, and {} s in a third", "runs.cold_third.suite_seconds"),
     bench("lesson 03 step warm over cold", "compiles lesson 03's step in {} of the cold time",
           F + "compile_share.persistent_cache.warm_over_cold.03 sft step"),
@@ -476,44 +503,94 @@ FIGURES = [
           F + "remat_memory_ratio.temp_bytes_with_memory_scheduler.remat",
           F + "remat_memory_ratio.temp_bytes_with_memory_scheduler.plain", combine="ratio"),
     bench("remat update difference", "the same to float32 rounding ({}).", F + "remat_memory_ratio.update_max_abs_difference"),
-    # ------------------------------------------------------------ elsewhere in the prose
+    # ------------------------------------------------------------ LoRA and QLoRA against full fine-tuning
+    *lora_table_figures(),
+    bench("lora study: steps", "student (55.0% held-out exact match), {} steps of", LORA + "steps"),
+    bench("lora study: start", "student ({}% held-out exact match), 300", LORA + "exact_match_before", scale=100),
+    bench("lora study: batch", "steps of {} fresh prompts", LORA + "batch_size"),
+    bench("lora study: quantised loss", "the quantised student's loss is {} against", LORA + "table.qlora nf4 r16.loss_first"),
+    bench("lora study: float loss", "loss is {n} against {})", LORA + "table.full.loss_first"),
+    bench("LoRA r16 time in prose", "says ({} of the time for", LORA + "table.lora r16.step_seconds",
+          LORA + "table.full.step_seconds", combine="ratio"),
+    bench("LoRA r16 FLOPs in prose", "of the time for {} of the FLOPs at rank 16)", LORA + "table.lora r16.step_flops",
+          LORA + "table.full.step_flops", combine="ratio"),
+    bench("QLoRA points lost", "and {} points at the end", LORA + "table.full.exact_match",
+          LORA + "table.qlora nf4 r16.exact_match", combine="difference", scale=100),
+    bench("thin matmul r4 time", "projection at {} of the dense x W", P + "r4.time_over_dense"),
+    bench("thin matmul r4 flops", "dense x W for {} of its FLOPs at rank 4", P + "r4.flops_over_dense"),
+    bench("thin matmul r16 time", "and {} for {n} at rank 16;", P + "r16.time_over_dense"),
+    bench("thin matmul r16 flops", "and {n} for {} at rank 16;", P + "r16.flops_over_dense"),
+    bench("rounds per figure", "per-round ratios over {} rounds", "settings.repeats"),
+    # ------------------------------------------------------------ against Tunix 0.1.7's trainers
+    *tunix_table_figures(),
+    Figure("tunix sft kit GFLOP", "XLA counts {} and {n} GFLOP per", TUNIX,
+           (("figures", "sft", "1", "gradient_profile", "xla_cost", "kit", "flops"),), scale=1e-9),
+    Figure("tunix sft Tunix GFLOP", "XLA counts {n} and {} GFLOP per", TUNIX,
+           (("figures", "sft", "1", "gradient_profile", "xla_cost", "tunix", "flops"),), scale=1e-9),
+    Figure("tunix sft losses agree", "The losses agree at every step, to {} relative on 1 device", TUNIX,
+           (("figures", "sft", "1", "losses", "max_relative_difference"),)),
+    Figure("tunix dpo reference share", "(`tunix_prepare`, {} of its step on 1 device)", TUNIX,
+           (("figures", "dpo", "1", "seconds", "tunix_prepare"), ("figures", "dpo", "1", "seconds", "tunix")),
+           combine="ratio"),
+    Figure("tunix dpo host batch", "then takes {} and its distillation step", TUNIX,
+           (("figures", "dpo", "8", "kit_over_tunix_host_batch", "median"),)),
+    Figure("tunix distill host batch", "its distillation step {} of Tunix's on 8 devices", TUNIX,
+           (("figures", "distill", "8", "kit_over_tunix_host_batch", "median"),)),
+    # ------------------------------------------------------------ the memory plan's settings
+    memory("memory plan batch", "at batch × length {} × {n} with", ("settings", "batch_size")),
+    memory("memory plan length", "at batch × length {n} × {} with", ("settings", "seq_len")),
+    memory("memory plan first depth", "from compiles at {} and {n} layers", ("settings", "layers_compiled", 0)),
+    memory("memory plan second depth", "from compiles at {n} and {} layers", ("settings", "layers_compiled", 1)),
+    memory("memory plan vocab chunk", "`--vocab-chunk {} --seq-chunk {n}`",
+           ("settings", "after, chunked", "vocab_chunk")),
+    memory("memory plan seq chunk", "`--vocab-chunk {n} --seq-chunk {}`",
+           ("settings", "after, chunked", "seq_chunk")),
+])
+
+LAYOUT_FIGURES = on(LAYOUT, [
+    # ------------------------------------------------------------ the task and the model
     nb("tiny preset's parameters", "presets `tiny` ({}k", N00, r"tiny\s+layers=\d+ d_model=\s*\d+ params={}",
        scale=1e-3),
     nb("student preset's parameters", "`student` ({}k)", N00, r"student\s+layers=\d+ d_model=\s*\d+ params={}",
        scale=1e-3),
     nb("teacher preset's parameters", "`teacher` ({}k)", N00, r"teacher\s+layers=\d+ d_model=\s*\d+ params={}",
        scale=1e-3),
+])
+
+MULTIPROCESS_FIGURES = on(MULTIPROCESS, [
     nb("06 2x4 vs 1x8 (multi-process prose)", "(largest parameter difference {} after 10 steps;",
        N06, r"2 processes x 4 devices vs 1 process x 8 devices: {}"),
-]
+])
 
-# The README's tables whose figures must all be registered: header row -> checked columns.
-# (The benchmark table's last column quotes the articles, and its first names settings.)
+FIGURES = [*README_FIGURES, *RESULTS_FIGURES, *BENCHMARK_FIGURES, *LAYOUT_FIGURES, *MULTIPROCESS_FIGURES,
+           *quoted_rows(RESULTS_FIGURES, README)]
+
+# The pages' tables whose figures must all be registered: page -> header row -> checked columns.
+# (The benchmark table's last column quotes the articles, and its first names settings. The memory
+# table of docs/benchmarks.md is a code block that tests/test_docs_benchmarks.py regenerates.)
 TABLES = {
-    "| notebook | what it teaches | cells' time* |": ("cells' time*",),
-    "| lesson | figure | value |": ("value",),
-    "| figure | measured | IQR | target | the articles' claim |": ("measured", "IQR", "target"),
-    "| setting | trainable share | Adam state (bytes) | checkpoint (bytes) | step time | FLOPs | held-out exact match |":
-        ("trainable share", "Adam state (bytes)", "checkpoint (bytes)", "step time", "FLOPs", "held-out exact match"),
+    README: {"| notebook | what it teaches | cells' time* |": ("cells' time*",),
+             "| lesson | figure | value |": ("value",)},
+    RESULTS: {"| lesson | figure | value |": ("value",)},
+    BENCHMARKS: {
+        "| figure | measured | IQR | target | the articles' claim |": ("measured", "IQR", "target"),
+        "| setting | trainable share | Adam state (bytes) | checkpoint (bytes) | step time | FLOPs | held-out exact match |":
+            ("trainable share", "Adam state (bytes)", "checkpoint (bytes)", "step time", "FLOPs", "held-out exact match"),
+        "| step | 1 device | 8 devices | target | first-step loss, kit / Tunix |":
+            ("1 device", "8 devices", "target", "first-step loss, kit / Tunix"),
+    },
 }
 
 
 # ------------------------------------------------------------------------------ reading
 
 
-def readme_pattern(template: str) -> re.Pattern:
-    """A README template as a regex: {} captures the figure; whitespace runs match any whitespace."""
-    placeholders = {"{}": f"({NUMBER})", "{n}": NUMBER, "{...}": r"[^|\n]*"}
-    parts = re.split(r"(\{\}|\{n\}|\{\.\.\.\})", template)
-    literal = lambda part: re.escape(re.sub(r"\s+", " ", part)).replace(r"\ ", r"\s+")  # noqa: E731
-    return re.compile("".join(placeholders.get(part) or literal(part) for part in parts))
-
-
-def readme_figure(fig: Figure) -> tuple[str, tuple[int, int]]:
-    """(the number as the README prints it, its span in the README)."""
-    matches = list(readme_pattern(fig.readme).finditer(README.read_text()))
-    assert len(matches) == 1, (f"{fig.name}: the README text {fig.readme!r} occurs {len(matches)} times, not once; "
-                               "edit this entry's `readme` to match the README")
+def page_figure(fig: Figure, text: str | None = None) -> tuple[str, tuple[int, int]]:
+    """(the number as the page prints it, its span in the page's text)."""
+    text = page_text(fig.page) if text is None else text
+    matches = list(text_pattern(fig.text).finditer(text))
+    assert len(matches) == 1, (f"{fig.name}: the text {fig.text!r} occurs {len(matches)} times in {fig.page}, "
+                               f"not once; edit this entry's `text` to match {fig.page}")
     return matches[0].group(1), matches[0].span(1)
 
 
@@ -538,7 +615,7 @@ def wall_seconds(name: str) -> tuple[float, str]:
 
 
 def stored(fig: Figure) -> tuple[float, str]:
-    """(the stored value, in the README's unit; where it is stored)."""
+    """(the stored value, in the page's unit; where it is stored)."""
     if fig.where == WALL:
         seconds, where = wall_seconds(fig.source)
         return seconds * fig.scale, where
@@ -585,18 +662,36 @@ def test_figure_names_are_unique():
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
+def test_every_page_is_there_and_quotes_figures():
+    for page in PAGES:
+        assert (ROOT / page).is_file(), f"{page} is in PAGES but does not exist: remove it from PAGES"
+        assert any(f.page == page for f in FIGURES), f"{page} is in PAGES but no entry of FIGURES is on it"
+
+
+def test_the_readme_headline_rows_are_rows_of_the_results_page():
+    """The README's headline table holds rows of docs/results.md's, word for word, so `quoted_rows`
+    checks (and `python tests/test_readme_figures.py` updates) each of its figures on both pages."""
+    readme = page_text(README)
+    below = readme[readme.index("| lesson | figure | value |"):].split("\n")[2:]  # under the header and |---|
+    rows = below[:next(i for i, line in enumerate(below + [""]) if not line.startswith("|"))]
+    strays = [row for row in rows if row not in page_text(RESULTS).split("\n")]
+    assert rows and not strays, (f"README.md's headline rows that docs/results.md does not hold word for word: "
+                                 f"{strays}; copy the row from docs/results.md")
+    assert any(f.page == README and f.source in (L02, L08, L11) for f in FIGURES)
+
+
 @pytest.mark.parametrize("fig", FIGURES, ids=[f.name for f in FIGURES])
-def test_readme_figure_is_the_stored_one(fig):
-    printed, _ = readme_figure(fig)
+def test_figure_is_the_stored_one(fig):
+    printed, _ = page_figure(fig)
     value, where = stored(fig)
     rounded = at_precision(value, printed)
     assert float(rounded) == float(printed.replace(",", "")), (
-        f"{fig.name}: the README says {printed}, the stored value is {rounded} ({value:.6g}), from {where}. "
-        "Put the stored value in the README.")
+        f"{fig.name}: {fig.page} says {printed}, the stored value is {rounded} ({value:.6g}), from {where}. "
+        f"Put the stored value in {fig.page} (`python tests/test_readme_figures.py` does).")
 
 
 def table_cells(text: str, header: str, columns) -> list[tuple[int, str]]:
-    """(offset in the README, text) of every body cell in the named columns of the table under `header`."""
+    """(offset in the page, text) of every body cell in the named columns of the table under `header`."""
     names = [c.strip() for c in header.strip("|").split("|")]
     wanted = [names.index(c) for c in columns]
     cells, offset = [], text.index(header)
@@ -610,34 +705,37 @@ def table_cells(text: str, header: str, columns) -> list[tuple[int, str]]:
     return cells
 
 
-def test_every_number_in_the_readme_tables_is_registered():
-    text = README.read_text()
-    registered = {readme_figure(f)[1] for f in FIGURES}
+@pytest.mark.parametrize("page", TABLES)
+def test_every_number_in_the_tables_is_registered(page):
+    text = page_text(page)
+    registered = {page_figure(f, text)[1] for f in FIGURES if f.page == page}
     missing = []
-    for header, columns in TABLES.items():
+    for header, columns in TABLES[page].items():
         for offset, cell in table_cells(text, header, columns):
             for m in re.finditer(NUMBER, cell):
                 if (offset + m.start(), offset + m.end()) not in registered:
                     missing.append(f"{m.group()} in {cell.strip()!r}")
-    assert not missing, ("numbers in the README's tables that FIGURES does not register (add an entry saying "
+    assert not missing, (f"numbers in {page}'s tables that FIGURES does not register (add an entry saying "
                          f"where each was measured): {missing}")
 
 
-def update_readme() -> list[str]:
-    """Write every registered figure's stored value into the README; returns what changed."""
-    text, changes = README.read_text(), []
-    edits = []
-    for fig in FIGURES:
-        printed, (start, end) = readme_figure(fig)
-        rounded = at_precision(stored(fig)[0], printed)
-        if float(rounded) != float(printed.replace(",", "")):
-            edits.append((start, end, rounded))
-            changes.append(f"{fig.name}: {printed} -> {rounded}")
-    for start, end, rounded in sorted(edits, reverse=True):  # from the end: spans stay valid
-        text = text[:start] + rounded + text[end:]
-    README.write_text(text)
+def update_pages() -> list[str]:
+    """Write every registered figure's stored value into its page; returns what changed."""
+    changes = []
+    for page in PAGES:
+        text, edits = page_text(page), []
+        for fig in (f for f in FIGURES if f.page == page):
+            printed, (start, end) = page_figure(fig, text)
+            rounded = at_precision(stored(fig)[0], printed)
+            if float(rounded) != float(printed.replace(",", "")):
+                edits.append((start, end, rounded))
+                changes.append(f"{page}: {fig.name}: {printed} -> {rounded}")
+        for start, end, rounded in sorted(set(edits), reverse=True):  # from the end: spans stay valid
+            text = text[:start] + rounded + text[end:]
+        if edits:
+            (ROOT / page).write_text(text)
     return changes
 
 
 if __name__ == "__main__":  # python tests/test_readme_figures.py: after re-executing notebooks
-    print("\n".join(update_readme()) or "The README's figures are the stored ones.")
+    print("\n".join(update_pages()) or "The figures of the README and docs/ are the stored ones.")
