@@ -1,11 +1,13 @@
-"""The setup cell's Colab path: what it installs on each runtime, and that the install works.
+"""The setup cell's hosted paths (Colab, Kaggle): what it installs on each runtime, and that the install works.
 
-Colab runs notebooks from /content, with the kit cloned to /content/tunix-notebooks, so
+Colab runs notebooks from /content, with the kit cloned to /content/tunix-notebooks, and
+Kaggle from /kaggle/working, with the kit cloned to /kaggle/working/tunix-notebooks, so
 nothing here may depend on the working directory being the repository root.
 """
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from tunix_nb import colab, devices
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "requirements-lessons.txt"
 JAX_PIN = colab.pinned_version(LESSONS, "jax")
-HINT_ENV = ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU")
+HINT_ENV = devices.HINT_ENV
+KAGGLE_ENV = {"KAGGLE_KERNEL_RUN_TYPE": "Interactive", "KAGGLE_URL_BASE": "https://www.kaggle.com"}
 
 
 def fake_runtime(monkeypatch, **env):
@@ -34,9 +37,10 @@ def fake_runtime(monkeypatch, **env):
 @pytest.mark.parametrize("env, jax_build", [
     ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, [f"jax[tpu]=={JAX_PIN}"]),
     ({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, [f"jax[tpu]=={JAX_PIN}"]),
+    ({"ISTPUVM": "1"}, [f"jax[tpu]=={JAX_PIN}"]),
     ({"COLAB_GPU": "1"}, [f"jax[cuda12]=={JAX_PIN}"]),
     ({}, []),
-], ids=["colab-tpu", "tpu-vm", "colab-gpu", "cpu"])
+], ids=["colab-tpu", "tpu-vm", "kaggle-tpu", "colab-gpu", "cpu"])
 def test_pip_args_per_runtime(monkeypatch, env, jax_build):
     """The lessons' pins, JAX's build for the chip at the pinned version, the kit (editable)."""
     fake_runtime(monkeypatch, **env)
@@ -70,28 +74,47 @@ def test_colab_module_needs_only_the_standard_library():
     assert out.stdout.strip() == "[]"
 
 
-def run_setup_cell_as_on_colab(tmp_path, **env) -> subprocess.CompletedProcess:
-    """The setup cell, run by IPython in a fresh process that looks like Colab.
+def run_setup_cell(tmp_path, *, on_colab=True, relocate=None, git=None, **env) -> subprocess.CompletedProcess:
+    """The setup cell, run by IPython in a fresh process that looks like a hosted runtime.
 
-    google.colab is faked, the clone path points at this checkout, and `!` commands and
-    `%pip` are recorded (after IPython expands their {expressions}) instead of run.
+    `on_colab` fakes google.colab (Kaggle is recognised by its variables, passed in `env`).
+    `relocate` rewrites paths in the cell: Colab's clone to this checkout, by default.
+    `!` commands and `%pip` are recorded (after IPython expands their {expressions}) and
+    not run, unless `git` is given: then `!` commands run, with a fake `git` first on the
+    PATH, whose shell script body `git` is ("$last" is its last argument, the clone's target).
     """
-    script = tmp_path / "colab_cell.py"
+    relocate = {colab.CLONE: str(ROOT)} if relocate is None else relocate
+    script = tmp_path / "hosted_cell.py"
     script.write_text(f"""
-import json, sys, types
-sys.modules["google.colab"] = types.ModuleType("google.colab")
-sys.modules["google.colab"].output = types.ModuleType("google.colab.output")  # jax's debugger imports it
+import json, subprocess, sys, types
+if {on_colab!r}:
+    sys.modules["google.colab"] = types.ModuleType("google.colab")
+    sys.modules["google.colab"].output = types.ModuleType("google.colab.output")  # jax's debugger imports it
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 calls = []
-shell.system = lambda cmd: calls.append(["!", shell.var_expand(cmd)])
+def system(cmd):
+    calls.append(["!", shell.var_expand(cmd)])
+    if {git is not None!r}:
+        subprocess.run(calls[-1][1], shell=True, executable="/bin/bash")
+shell.system = system
 shell.register_magic_function(lambda line: calls.append(["%pip", line]), "line", "pip")
 from tunix_nb import colab
-result = shell.run_cell(colab.SETUP_CELL.replace(colab.CLONE, {str(ROOT)!r}))
+cell = colab.SETUP_CELL
+for old, new in {relocate!r}.items():
+    cell = cell.replace(old, new)
+result = shell.run_cell(cell)
 print("CALLS", json.dumps(calls))
 sys.exit(0 if result.success else 1)
 """)
-    keep = {k: v for k, v in os.environ.items() if k not in (*HINT_ENV, "XLA_FLAGS", devices.DEVICES_ENV)}
+    dropped = (*HINT_ENV, *KAGGLE_ENV, "XLA_FLAGS", devices.DEVICES_ENV)
+    keep = {k: v for k, v in os.environ.items() if k not in dropped}
+    if git is not None:
+        (tmp_path / "bin").mkdir()
+        fake_git = tmp_path / "bin" / "git"
+        fake_git.write_text(f'#!/bin/sh\nfor last; do :; done\n{git}\n')
+        fake_git.chmod(0o755)
+        keep["PATH"] = f"{fake_git.parent}{os.pathsep}{keep['PATH']}"
     return subprocess.run([sys.executable, str(script)], env={**keep, **env}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
 
@@ -101,8 +124,21 @@ def recorded_calls(out: subprocess.CompletedProcess) -> list:
     return json.loads(line[len("CALLS "):])
 
 
+def test_setup_cell_off_hosted_runtimes_prints_what_the_lessons_stored(tmp_path):
+    """Neither Colab nor Kaggle (a laptop, CI): no clone, no install, and exactly the output
+    the stored lessons show."""
+    out = run_setup_cell(tmp_path, on_colab=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert recorded_calls(out) == []
+    nb = json.loads((ROOT / "notebooks" / "00_devices_and_setup.ipynb").read_text())
+    setup = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    stored = "".join("".join(o["text"]) for o in setup["outputs"] if o["output_type"] == "stream")
+    printed = "".join(ln for ln in out.stdout.splitlines(keepends=True) if not ln.startswith("CALLS "))
+    assert printed == stored
+
+
 def test_setup_cell_on_colab_cpu_installs_lessons_and_simulates(tmp_path):
-    out = run_setup_cell_as_on_colab(tmp_path)
+    out = run_setup_cell(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert recorded_calls(out)[1] == ["%pip", f"install -q {colab.pip_args(ROOT, None)}"]
     assert "Simulating 8 CPU devices (the notebook's default" in out.stdout
@@ -113,7 +149,7 @@ def test_setup_cell_on_colab_cpu_installs_lessons_and_simulates(tmp_path):
 def test_setup_cell_on_colab_tpu_installs_jax_tpu_and_warns_when_it_is_not_used(tmp_path):
     """Here there is no TPU behind the fake hint, so JAX ends on CPU: the case after Colab
     replaced JAX without a restart. The cell must say so and name the fix."""
-    out = run_setup_cell_as_on_colab(tmp_path, COLAB_TPU_ADDR="10.0.0.2:8470")
+    out = run_setup_cell(tmp_path, COLAB_TPU_ADDR="10.0.0.2:8470")
     assert out.returncode == 0, out.stdout + out.stderr
     calls = recorded_calls(out)
     assert calls[0][0] == "!" and f"git clone -q --depth 1 {colab.REPO_URL} {ROOT}" in calls[0][1]
@@ -122,6 +158,49 @@ def test_setup_cell_on_colab_tpu_installs_jax_tpu_and_warns_when_it_is_not_used(
     assert "Simulating" not in out.stdout and "backend=cpu devices=1 " in out.stdout
     assert "This runtime has a TPU, but JAX is running on CPU" in out.stderr
     assert "restart the runtime (Runtime > Restart session) and run this cell again" in out.stderr
+
+
+def kaggle_working(tmp_path) -> Path:
+    """A writable stand-in for /kaggle/working: where the Kaggle tests' cell clones the kit."""
+    assert colab.KAGGLE_CLONE.startswith("/kaggle/working/") and colab.KAGGLE_CLONE in colab.SETUP_CELL
+    working = tmp_path / "kaggle" / "working"
+    working.mkdir(parents=True)
+    return working / Path(colab.KAGGLE_CLONE).name
+
+
+def test_setup_cell_on_kaggle_tpu_clones_into_kaggle_working_and_installs_jax_tpu(tmp_path):
+    """Kaggle's TPU v5e-8: no google.colab, Kaggle's variables, and its TPU image's ISTPUVM=1.
+    The clone runs (a fake git, as if GitHub answered, links the target to this checkout);
+    then the lessons' pins with JAX's TPU build. No TPU is behind the hint here, so JAX
+    ends on CPU and the cell warns, as on Colab."""
+    clone = kaggle_working(tmp_path)
+    out = run_setup_cell(tmp_path, on_colab=False, relocate={colab.KAGGLE_CLONE: str(clone)},
+                         git=f'ln -s {ROOT} "$last"', ISTPUVM="1", **KAGGLE_ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = recorded_calls(out)
+    assert calls[0] == ["!", f"test -d {clone} || git clone -q --depth 1 {colab.REPO_URL} {clone}"]
+    assert clone.resolve() == ROOT  # the clone ran, into Kaggle's working directory
+    assert calls[1] == ["%pip", f"install -q {colab.pip_args(ROOT, 'tpu')}"]
+    assert f"jax[tpu]=={JAX_PIN}" in calls[1][1] and len(calls) == 2
+    assert "Simulating" not in out.stdout and "backend=cpu devices=1 " in out.stdout
+    assert "This runtime has a TPU, but JAX is running on CPU" in out.stderr
+
+
+def test_setup_cell_on_kaggle_without_internet_says_to_switch_it_on(tmp_path):
+    """A Kaggle notebook whose Internet setting is off: git cannot reach GitHub. The cell
+    stops there, before any install, and says where to switch the Internet on."""
+    clone = kaggle_working(tmp_path)
+    no_github = (f'echo "fatal: unable to access \'{colab.REPO_URL}/\': Could not resolve host: github.com" >&2; '
+                 "exit 128")
+    out = run_setup_cell(tmp_path, on_colab=False, relocate={colab.KAGGLE_CLONE: str(clone)},
+                         git=no_github, ISTPUVM="1", **KAGGLE_ENV)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert recorded_calls(out) == [["!", f"test -d {clone} || git clone -q --depth 1 {colab.REPO_URL} {clone}"]]
+    assert not clone.exists()
+    assert "Could not resolve host: github.com" in out.stderr  # the clone was tried; git says why it failed
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)  # IPython colours its traceback
+    assert f"RuntimeError: {colab.NO_INTERNET}" in shown
+    assert "switch on Internet in the notebook's settings panel" in colab.NO_INTERNET
 
 
 def test_lessons_install_into_a_fresh_venv_from_another_directory(tmp_path):

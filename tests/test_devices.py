@@ -124,10 +124,11 @@ def test_the_last_count_in_xla_flags_wins_as_in_xla(monkeypatch):
         ({"JAX_PLATFORMS": "cpu"}, None),
         ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, "tpu"),
         ({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, "tpu"),
+        ({"ISTPUVM": "1"}, "tpu"),  # Kaggle's TPU image
     ],
 )
 def test_accelerator_hint(monkeypatch, env, expected):
-    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU"):
+    for key in devices.HINT_ENV:
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -154,8 +155,7 @@ def test_backend_defaults():
                                                 ({"COLAB_GPU": "1"}, 0), ({}, 8)])
 def test_setup_uses_an_accelerator_and_simulates_only_on_cpu(monkeypatch, hint_env, expected):
     """The setup cell's logic with the backend faked: TPU and GPU runtimes are left alone."""
-    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU", devices.DEVICES_ENV,
-                "XLA_FLAGS", devices.JAX_COUNT_ENV):
+    for key in (*devices.HINT_ENV, devices.DEVICES_ENV, "XLA_FLAGS", devices.JAX_COUNT_ENV):
         monkeypatch.delenv(key, raising=False)
     for key, value in hint_env.items():
         monkeypatch.setenv(key, value)
@@ -168,7 +168,7 @@ def test_setup_uses_an_accelerator_and_simulates_only_on_cpu(monkeypatch, hint_e
 
 
 def test_accelerator_device_files_are_recognised(monkeypatch):
-    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU"):
+    for key in devices.HINT_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(devices.os.path, "exists", lambda p: p == "/dev/accel0")
     assert devices.accelerator_hint() == "tpu"
@@ -186,8 +186,7 @@ def test_has_devices_says_what_to_do(capsys, monkeypatch):
 
 
 def fake_tpu_runtime(monkeypatch):
-    for key in ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "COLAB_GPU", devices.DEVICES_ENV,
-                devices.JAX_COUNT_ENV):
+    for key in (*devices.HINT_ENV, devices.DEVICES_ENV, devices.JAX_COUNT_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
     monkeypatch.setattr(devices.os.path, "exists", lambda p: False)

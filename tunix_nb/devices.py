@@ -73,19 +73,22 @@ def simulate_cpu_devices(n: int = 8) -> None:
 
 # accelerator_hint() -> the pip extra of JAX's build for it (which pins libtpu or the CUDA plugin)
 JAX_EXTRAS = {"tpu": "tpu", "gpu": "cuda12"}
+# The environment variables accelerator_hint() reads. ISTPUVM=1 marks Kaggle's TPU image
+# (its TPU v5e-8 is a TPU VM), as TPU_ACCELERATOR_TYPE marks a Cloud TPU VM.
+HINT_ENV = ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "ISTPUVM", "COLAB_GPU")
 
 
 def accelerator_hint() -> str | None:
     """'tpu', 'gpu' or None, judged without starting JAX (so simulation stays possible).
 
-    Looks at what the runtime exposes: Colab's accelerator variables, TPU device files,
-    an NVIDIA device file, or an explicit JAX_PLATFORMS.
+    Looks at what the runtime exposes: Colab's accelerator variables, a TPU VM's (Cloud's
+    or Kaggle's), TPU device files, an NVIDIA device file, or an explicit JAX_PLATFORMS.
     """
     platforms = os.environ.get("JAX_PLATFORMS", "").lower()
     if platforms:
         first = platforms.split(",")[0]
         return {"tpu": "tpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu"}.get(first)
-    if os.environ.get("COLAB_TPU_ADDR") or os.environ.get("TPU_ACCELERATOR_TYPE"):
+    if any(os.environ.get(name) for name in ("COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "ISTPUVM")):
         return "tpu"
     if os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"):
         return "tpu"
