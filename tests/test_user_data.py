@@ -350,6 +350,29 @@ def test_implicit_prompt_needs_a_common_start(tmp_path):
         user_data.preference_arrays(write(tmp_path / "i.jsonl", [{"chosen": "yes", "rejected": "no"}]), byte)
 
 
+def test_a_hub_dataset_id_is_read_with_its_split_and_revision(tmp_path, monkeypatch):
+    """The online path without a network: `datasets.load_dataset` answers for the Hub id (as it
+    would online), and the rows encode exactly as the same rows from a local file; errors name the row."""
+    import datasets
+
+    rows = [{"prompt": "add 1+2=", "completion": "3"}, {"prompt": "add 2+2=", "completion": "4"}]
+    asked = []
+
+    def from_the_hub(path, split=None, revision=None, **kwargs):
+        asked.append((path, split, revision))
+        return datasets.Dataset.from_list(rows if split == "train" else rows[:1] + [{"prompt": "x", "completion": ""}])
+
+    local = user_data.sft_arrays(write(tmp_path / "same.jsonl", rows), byte)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets, "load_dataset", from_the_hub)
+    from_hub = user_data.sft_arrays("someone/some-data", byte)
+    assert all(np.array_equal(from_hub.arrays[k], local.arrays[k]) for k in SFT_KEYS)
+    assert user_data.read_table("someone/some-data", split="test", revision="abc").rows[0] == rows[0]
+    assert asked == [("someone/some-data", "train", None), ("someone/some-data", "test", "abc")]
+    with pytest.raises(DataError, match=r"someone/some-data row 2.*completion"):
+        user_data.sft_arrays(user_data.read_table("someone/some-data", split="test"), byte)
+
+
 def test_sources_that_are_not_files(tmp_path, monkeypatch):
     import datasets
 
