@@ -255,3 +255,12 @@ def test_the_stored_chunked_rows_hold_no_float32_logits():
         for compiled in row["compiled"].values():
             assert compiled["vocab_chunk_used"] == row["config"]["vocab_chunk"]
             assert compiled["hlo_buffers"]["f32_BxLxV"] == 0, (row["model"], row["strategy"])
+
+
+def test_before_rows_compute_in_float32_and_after_rows_in_the_compute_dtype():
+    """The before rows rebuild the pre-issue step, whose activations were float32 after the
+    embedding whatever the params' dtype; the default config now follows the params."""
+    hf_config = hf.read_config(QWEN3_FIXTURE)
+    base = memory_plan.PlanConfig(strategy="lora", batch_size=2, seq_len=8)
+    assert plan_lib.kit_config(hf_config, memory_plan.before(base)).dtype == "float32"
+    assert plan_lib.kit_config(hf_config, memory_plan.after(base)).dtype == "bfloat16"

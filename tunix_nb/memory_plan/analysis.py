@@ -42,7 +42,7 @@ def read_model_config(model) -> dict:
 def kit_config(hf_config: dict, cfg: PlanConfig):
     """The kit's ModelConfig at the plan's depth, with per-block remat and the layers'
     compute dtype as the plan says."""
-    model_cfg = hf.model_config(hf_config, dtype=None if cfg.float32_activations else cfg.compute_dtype)
+    model_cfg = hf.model_config(hf_config, dtype="float32" if cfg.float32_activations else cfg.compute_dtype)
     return dataclasses.replace(model_cfg, remat=cfg.remat, n_layers=cfg.n_layers or model_cfg.n_layers)
 
 

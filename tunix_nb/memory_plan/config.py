@@ -18,10 +18,12 @@ class PlanConfig:
     compiles that many blocks of the model (None: all of them). `vocab_chunk` is passed
     to the method's objective when it takes one (chunked log-probs); None: today's full
     logits. `seq_chunk`: positions per row at a time on the chunked path (None: all at
-    once; it needs `vocab_chunk`). `float32_activations=True` is the kit's step with its
-    default model config (`ModelConfig.dtype=None`): nnx.Embed fixes its output dtype to its initial float32
-    table, so with bfloat16 params every activation after the embedding is float32. False
-    builds the model with `ModelConfig.dtype=compute_dtype`, so every layer computes in it.
+    once; it needs `vocab_chunk`). `float32_activations=True` is the kit's step as it was
+    before issue 27: nnx.Embed had fixed its output dtype to its initial float32 table, so
+    with bfloat16 params every activation after the embedding was float32 (built here as
+    `ModelConfig.dtype="float32"`, which computes the same). False builds the model with
+    `ModelConfig.dtype=compute_dtype`, so every layer computes in it, as the default config
+    (`dtype=None`, following the params) now does too.
     """
 
     strategy: str = "lora"
