@@ -49,6 +49,7 @@ QUOTES_RESULTS = {
     "02_distilling_a_student": [("lesson02_distillation.json",)],
     "07_benchmarks": [("bench.json",)],
     "08_grpo": [("lesson08_grpo.json",)],
+    "09_hf_checkpoints": [("memory.json", "rows")],
     "10_lora_qlora": [("bench.json", "figures", "lora_exact_match_over_full"),
                       ("bench.json", "figures", "lora_optimizer_state_share"),
                       ("bench.json", "figures", "lora_step_time_ratio")],
