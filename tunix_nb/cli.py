@@ -19,7 +19,7 @@ Resuming, in detail:
 - Batches are a pure function of (--seed, step), and no step draws random numbers, so
   the step is the whole data/RNG state. GRPO's rollouts and on-policy distillation's
   batches (distill --lmbda) do sample, with keys that are a pure function of (--seed,
-  step, row) (`grpo.rollout_keys`; `gkd.batch_source` for which steps sample), so the
+  step, row) (`sampler.rollout_keys`; `gkd.batch_source` for which steps sample), so the
   same holds. Each checkpoint also holds the run key folded with its step (item `rng`),
   which the resumed run checks against its own.
 - A save killed midway leaves `<step>.orbax-checkpoint-tmp`, which is not a checkpoint;
@@ -56,7 +56,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from tunix_nb import config_flags, devices, distill, distributed, dpo, gkd, grpo, lora, losses, sft, tracking
+from tunix_nb import config_flags, devices, distill, distributed, dpo, gkd, grpo, lora, losses, sampler, sft, tracking
 from tunix_nb.gkd import GKDConfig
 from tunix_nb.lora import LoRAConfig
 from tunix_nb.train.config import (  # noqa: F401  (PARALLEL_CHOICES: re-exported, as before)
@@ -623,7 +623,7 @@ def training_arrays(config: RunConfig, tokenizer, split: str = "train", examples
     if config.command == "dpo":
         return data.preference_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
     if config.command == "grpo":
-        return grpo.prompt_rows(examples, tokenizer)
+        return sampler.prompt_rows(examples, tokenizer)
     return data.sft_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
 
 
