@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tunix_nb import devices
 from tunix_nb.bench.common import describe, machine, read_results, write_results
+from tunix_nb.config_flags import positive_int
 
 # Run by default, in this order. Each module has FIGURES (name -> (target, "max" if the
 # figure must stay below it, "min" above)) and measure(quick=, repeats=), which times them
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="results", help="directory for bench.json and the plots")
     parser.add_argument("--devices", type=int, default=None,
                         help=f"simulated CPU devices (CPU only; default {DEFAULT_DEVICES}, packing 1)")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timed rounds per figure (default 10, with --quick 3)")
     parser.add_argument("--vocab-chunk", type=int, default=None,
                         help="memory: the vocabulary chunk of the remedied step's log-probs (where the objective "
