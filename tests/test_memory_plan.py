@@ -49,6 +49,7 @@ def cpu_before_after(tiny_report):
 def test_the_report_writes_its_rows_into_the_bench_record_and_prints_a_table(tiny_report):
     out, results = tiny_report
     assert json.loads((out / "bench.json").read_text()) == {"memory": results}
+    assert json.loads((out / "memory.json").read_text()) == results  # lesson 09's copy
     assert [(r["variant"], r["extrapolated"], r["n_layers"]) for r in results["rows"]] == [
         ("before", False, 1), ("after", False, 1)]
     text = report.table(results)
@@ -216,6 +217,13 @@ def test_the_shipped_model_configs_read_as_the_published_shapes():
 
 def stored_plans() -> dict:
     return json.loads(STORED.read_text())["memory"]
+
+
+def test_lesson_09s_copy_of_the_stored_plans_is_the_bench_record():
+    """results/memory.json, which lesson 09 reads (memory_plan.fit.stored_row), holds what
+    results/bench.json's "memory" record holds."""
+    assert memory_plan.fit.RESULTS == ROOT / "results" / report.COPY
+    assert json.loads(memory_plan.fit.RESULTS.read_text()) == stored_plans()
 
 
 def test_the_stored_memory_results_have_their_fields():

@@ -15,8 +15,8 @@ run only when named, each writing a record of its own:
 
 - `--only memory` compiles (never runs) real models' training steps for a TPU v5e chip and
   reports XLA's memory analysis, before and after the memory remedies: DIR/bench.json's
-  "memory" (`tunix_nb.memory_plan`; the TPU targets need libtpu, see
-  `tunix_nb.memory_plan.targets`).
+  "memory", and the same plans in DIR/memory.json, which lesson 09 reads
+  (`tunix_nb.memory_plan`; the TPU targets need libtpu, see `tunix_nb.memory_plan.targets`).
 - `--only packing` times an SFT step on packed rows (`tunix_nb.packing`) against padded
   rows and one padding-free row, on a skewed length distribution: DIR/bench.json's "packing".
 - `--only tunix`, the kit's steps against Tunix's trainers, needs google-tunix (not in

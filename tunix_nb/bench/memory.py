@@ -2,7 +2,8 @@
 v5e chip, a v5e-8 and the CPU, and reports XLA's memory analysis, before and after the memory
 remedies (`tunix_nb.memory_plan`; the TPU targets need libtpu, see
 `tunix_nb.memory_plan.targets`). A table on stdout; DIR/bench.json's "memory" record, written
-after each row, so a long run keeps what it has.
+after each row, so a long run keeps what it has, and the same plans in DIR/memory.json,
+which lesson 09 reads (`memory_plan.fit.stored_row`).
 
 Run only when named: a full-size row takes minutes to compile on a CPU.
 """
@@ -23,7 +24,8 @@ def run_alone(out_dir: Path, *, quick: bool, options) -> int:
                          seq_chunk=options.seq_chunk, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table(results))
     if results["rows"]:
-        print(f"Wrote {Path(out_dir) / 'bench.json'} (its \"{report.RECORD}\" record)")
+        print(f"Wrote {Path(out_dir) / 'bench.json'} (its \"{report.RECORD}\" record) and the same plans to "
+              f"{Path(out_dir) / report.COPY}")
     else:  # every target skipped: the stored plans stay as they are
         print(f"Nothing was planned, so {Path(out_dir) / 'bench.json'} is unchanged")
     return 0

@@ -18,7 +18,7 @@ from tunix_nb.config_flags import positive_int
 GROUPS = ("vmap", "mfu", "dp", "ckpt", "dpo", "compile", "kv_cache", "grpo", "lora", "remat")
 # Run only when named (--only), each by its run_alone(out_dir, quick=, options=), which
 # writes a record of its own: "memory" compiles real models' steps for a TPU chip (minutes
-# per step on a CPU) into bench.json's "memory"; "packing" times packed rows against
+# per step on a CPU) into bench.json's "memory" (and memory.json); "packing" times packed rows against
 # padded ones into its "packing"; "tunix", the kit against Tunix's trainers (needs
 # google-tunix), writes tunix_compare.json.
 OPTIONAL_GROUPS = ("memory", "packing", "tunix")

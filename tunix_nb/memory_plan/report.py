@@ -1,9 +1,11 @@
 """`python -m tunix_nb.bench --only memory`: the memory plans of real models' steps, before
 and after the memory remedies, in one run; a table on stdout and DIR/bench.json's "memory"
-record (`tunix_nb.bench.memory` runs it)."""
+record, copied to DIR/memory.json, which lesson 09 reads (`fit.stored_row`)
+(`tunix_nb.bench.memory` runs it)."""
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ QUICK_ROWS = tuple(TARGET_GIB)
 VARIANTS = {"before": before, "after": after}
 CHUNKED = "after, chunked"  # the "after" step with chunked log-probs (vocab_chunk given): its rows' variant
 RECORD = "memory"  # the plans' key in DIR/bench.json
+COPY = "memory.json"  # the same plans in a file of their own: lesson 09 reads it (fit.RESULTS)
 
 
 def variant_label(variant: str, vocab_chunk: int | None) -> str:
@@ -53,9 +56,9 @@ def settings(base: PlanConfig, layers, vocab_chunk, seq_chunk=None) -> dict:
 def run(out_dir: Path, *, rows=ROWS, target_names=targets.TARGETS, layers=(1, 2), vocab_chunk: int | None = None,
         seq_chunk: int | None = None, variants=tuple(VARIANTS), base: PlanConfig = PlanConfig(),
         progress=print) -> dict:
-    """Plan every job, writing the results into DIR/bench.json's "memory" record after each (a
-    long run keeps what it has; the file's other records stay as they are). With `vocab_chunk`
-    the remedied rows are "after, chunked" (`seq_chunk` too)."""
+    """Plan every job, writing the results into DIR/bench.json's "memory" record (the file's
+    other records stay as they are) and into DIR/memory.json after each (a long run keeps what
+    it has). With `vocab_chunk` the remedied rows are "after, chunked" (`seq_chunk` too)."""
     from tunix_nb.bench.common import store
 
     missing = targets.libtpu_missing()
@@ -74,6 +77,7 @@ def run(out_dir: Path, *, rows=ROWS, target_names=targets.TARGETS, layers=(1, 2)
         row["target_gib"], row["meets_target"] = target_gib, None if target_gib is None else row["total_gib"] <= target_gib
         results["rows"].append(row)
         store(out_dir, RECORD, results)
+        (Path(out_dir) / COPY).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         progress(f"{model} {strategy} {variant} {target}: {row['total_gib']:.2f} GiB "
                  f"({time.perf_counter() - started:.0f} s)")
     return results
