@@ -155,3 +155,72 @@ def test_grpo_group_splits_a_step_into_rollout_and_update(tmp_path):
     # the median of the steps' shares, stored with their spread
     assert fig["spread"]["q25"] <= fig["value"] <= fig["spread"]["q75"] and fig["spread"]["rounds"] >= 3
     assert fig["group_size"] == 8 and fig["num_iterations"] == 2
+
+
+def test_each_group_is_a_module_found_by_its_name():
+    for name in bench.GROUPS + bench.OPTIONAL_GROUPS:
+        module = bench.group(name)
+        assert module.__name__ == f"tunix_nb.bench.{name}"
+        assert callable(module.measure if name in bench.GROUPS else module.run_alone), name
+    # every figure is its group's, with the group's target
+    for name, (group, target, kind) in bench.FIGURES.items():
+        assert bench.group(group).FIGURES[name] == (target, kind)
+    assert sum(len(bench.group(g).FIGURES) for g in bench.GROUPS) == len(bench.FIGURES)
+    with pytest.raises(ValueError, match="no benchmark group 'speed'; choose one of vmap, mfu"):
+        bench.group("speed")
+    with pytest.raises(ValueError, match="--only packing"):
+        bench.run(["packing"], quick=True, out_dir=None)
+
+
+def _alone(group, out, *flags, timeout=300):
+    """`--only group` in a folder whose bench.json already holds figures, which must stay."""
+    kept = {"figures": {"vmap_speedup_over_loop": {"value": 1.0}}, "settings": {"quick": False}}
+    out.mkdir(exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(kept))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-m", "tunix_nb.bench", "--only", group, "--out", str(out), *flags],
+                         capture_output=True, text=True, env=env, timeout=timeout, cwd=out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stored = json.loads((out / "bench.json").read_text())
+    assert {k: stored[k] for k in kept} == kept
+    return run, stored
+
+
+def test_packing_group_writes_its_record_beside_the_figures(tmp_path):
+    """--quick --only packing: padded, packed and padding-free rows of one batch, timed in turns
+    on one device, into bench.json's "packing" record (the tiny preset: not comparable)."""
+    run, stored = _alone("packing", tmp_path, "--quick")
+    record = stored["packing"]
+    assert record["command"] == f"python -m tunix_nb.bench --only packing --out {tmp_path} --quick"
+    assert record["quick"] and record["machine"]["device_count"] == 1 and record["preset"] == "tiny"
+    assert set(record["tokens_per_second"]) == {"padding", "packing", "padding_free"}
+    losses = list(record["loss"].values())  # one batch, three layouts, one loss
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    rows, length = record["shapes"]["packing"]
+    assert record["shapes"]["padding"] == [8, length] and rows < 8
+    fig = record["packing_over_padding"]
+    assert fig["value"] == record["speedup_over_padding"]["packing"]["median"] and fig["target"] == 1.5
+    assert fig["comparable_to_target"] is False and fig["spread"]["rounds"] == 3
+    assert "packing_over_padding: " in run.stdout and "[--quick: not comparable to the target]" in run.stdout
+
+
+def test_memory_group_keeps_the_stored_plans_when_every_target_is_skipped(tmp_path):
+    """--quick --only memory plans on one v5e chip only: without libtpu there is nothing to
+    compile, and bench.json is left as it was (its "memory" record too)."""
+    from tunix_nb import memory_plan
+
+    if memory_plan.libtpu_missing() is None:
+        pytest.skip("libtpu is installed: --quick would compile three real models' steps for minutes")
+    run, stored = _alone("memory", tmp_path, "--quick", timeout=120)
+    assert "memory" not in stored and "v5e: skipped" in run.stdout and "is unchanged" in run.stdout
+
+
+def test_tunix_group_is_the_tunix_comparison(tmp_path):
+    """--only tunix runs tunix_nb.tunix_compare: without google-tunix it says why and writes nothing."""
+    from tunix_nb import tunix_compare
+
+    if tunix_compare.tunix_missing() is None:
+        pytest.skip("google-tunix is installed: the comparison would run for many minutes")
+    run, _ = _alone("tunix", tmp_path, timeout=120)
+    assert "tunix_compare skipped: google-tunix's trainers are not importable" in run.stdout
+    assert not (tmp_path / "tunix_compare.json").exists()

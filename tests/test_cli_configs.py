@@ -1,6 +1,6 @@
 """python -m tunix_nb.train as subcommands built from config dataclasses: help, flags <-> fields,
 the recorded run config (and runs from before it), --model's content hash, --reward-funcs,
---report-to tensorboard, --eval-every and the best checkpoint, --dtype.
+--report-to tensorboard, --eval-every and the best checkpoint, --dtype, --packing.
 
 Runs call `cli.main` in this process (no JAX start-up per run) on the tiny preset.
 """
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, cli, config_flags, distill, dpo, gkd, grpo, hf, lora, sft, tracking
+from tunix_nb import checkpoint, cli, config_flags, data, distill, dpo, gkd, grpo, hf, lora, packing, sft, tracking
 from tunix_nb.train import config as train_config
 
 TINY = ["--model", "tiny", "--batch-size", "8"]
@@ -88,6 +88,10 @@ def test_flags_are_the_config_fields_with_their_defaults_help_and_choices(comman
     (["grpo", "--eval-every", "2"], "--eval-every: grpo has no eval loss"),
     (["sft", "--model", "tiny", "--revision", "main"], "--revision applies only to a Hub id"),
     (["sft", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["dpo", "--packing"], "--packing applies only to sft and distill, not dpo"),
+    (["grpo", "--packing"], "--packing applies only to sft and distill, not grpo"),
+    (["distill", "--packing", "--lmbda", "0.5"], "on-policy distillation (--lmbda, --seq-kd) trains on rows"),
+    (["distill", "--packing", "--vocab-chunk", "64"], "distill --packing computes full logits"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_flag_errors_name_the_fix(capsys, argv, message):
     assert _run([*argv, "--steps", "2"]) == 2
@@ -264,3 +268,111 @@ def test_tensorboard_equals_jsonl_and_the_best_checkpoint_survives_a_resume(tmp_
     assert tracking.read_tensorboard_scalars(tmp_path / "run" / "tensorboard") == _as_tensorboard_reads_it(records)
     assert checkpoint.load_meta(tmp_path / "run" / "best")["step"] == best_step
     assert np.isfinite(list(evals.values())).all()
+
+
+# ------------------------------------------------------------------ --packing
+# sft and distill on packed batches (tunix_nb.packing), on a --train-file whose lengths are
+# skewed: the shipped task's rows (11 to 22 of 24 tokens) rarely hold two examples.
+
+PACKING_TINY = [*TINY, "--compute-dtype", "float32"]
+N_EXAMPLES = 48
+# A step's loss, packed against unpacked: the same sums over the same tokens, reduced in
+# another order (float32, eps 1.2e-7, over ~100 tokens; the step's own rounding).
+LOSS_RTOL = 1e-6
+# Later steps start from parameters that differ by that rounding (AdamW normalises the update).
+LATER_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory):
+    """["--train-file", a prompt/completion .jsonl]: prompts and completions of 2 to 30 letters."""
+    rng = np.random.default_rng(0)
+    words = lambda n: "".join(rng.choice(list("abcdefghij "), n))  # noqa: E731
+    rows = [{"prompt": words(rng.integers(2, 31)), "completion": words(rng.integers(2, 31))}
+            for _ in range(N_EXAMPLES)]
+    path = tmp_path_factory.mktemp("skewed") / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["--train-file", str(path)]
+
+
+def _losses(tmp_path, name, argv) -> list[float]:
+    metrics = tmp_path / f"{name}.jsonl"
+    assert _run([*argv, "--metrics-file", metrics]) == 0
+    return [record["loss"] for record in _jsonl(metrics)]
+
+
+def test_packed_batches_are_fewer_rows_of_the_same_examples(skewed):
+    config = cli.config_from_argv(["sft", *PACKING_TINY, *skewed, "--steps", "6", "--packing"])
+    method = cli.build_method(config)
+    cfg = cli.packing_of(config, method.rows, "jit")
+    assert cfg.max_length == method.rows["inputs"].shape[1]  # as long as the unpacked rows
+    # the fullest of the run's steps, and no fewer rows than it needs
+    needed = [packing.packed_batch_at(method.rows, k, 8, seed=0, cfg=packing.PackingConfig(cfg.max_length))[1]
+              for k in range(6)]
+    assert cfg.num_rows == max(layout.shape[0] for layout in needed) < 8
+    assert cli.packing_of(config, method.rows, "dp").num_rows % jax.device_count() == 0
+    batch = cli.batch_source(dataclasses.replace(method, packing=cfg), config, None)(3)
+    plain = data.batch_at(method.rows, 3, 8, seed=0)
+    assert batch["inputs"].shape == (cfg.num_rows, cfg.max_length)
+    assert batch["loss_mask"].sum() == plain["loss_mask"].sum() and batch["attention_mask"].sum() == \
+        plain["attention_mask"].sum()
+    assert cli.config_from_argv(["sft", *PACKING_TINY, *skewed, "--steps", "6"]).record()["packing"] is False
+    assert config.record()["packing"] is True
+
+
+@pytest.mark.parametrize("command", ["sft", "distill"])
+def test_a_packed_run_has_the_unpacked_runs_losses(tmp_path, skewed, command):
+    """The same examples each step, packed: sft's token-mean NLL, distill's mean over examples."""
+    run = [command, *PACKING_TINY, *skewed, "--steps", "3"]
+    plain, packed = _losses(tmp_path, "plain", run), _losses(tmp_path, "packed", [*run, "--packing"])
+    np.testing.assert_allclose(packed[0], plain[0], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(packed, plain, rtol=LATER_RTOL)
+
+
+def test_packed_rows_split_over_devices_and_micro_batches(tmp_path, skewed):
+    """dp on 8 devices with 2 micro-batches: the packed rows are a multiple of 16, and the
+    loss is the single-device unpacked run's (sums all-reduced in another order)."""
+    run = ["sft", *PACKING_TINY, *skewed, "--steps", "2", "--batch-size", "16"]
+    plain = _losses(tmp_path, "plain", run)
+    packed = _losses(tmp_path, "dp", [*run, "--packing", "--parallel", "dp", "--grad-accum", "2"])
+    np.testing.assert_allclose(packed, plain, rtol=LATER_RTOL)
+
+
+def test_a_packed_run_resumes_bitwise_and_refuses_the_other_packing(tmp_path, skewed, capsys):
+    run = ["sft", *PACKING_TINY, *skewed, "--steps", "4", "--save-every", "2", "--sync-save", "--packing"]
+    assert _run([*run, "--ckpt-dir", tmp_path / "whole"]) == 0
+    assert _run([*run, "--ckpt-dir", tmp_path / "cut", "--stop-after", "2"]) == 0
+    assert checkpoint.load_meta(tmp_path / "cut")["config"]["packing"] is True
+    unpacked = [a for a in run if a != "--packing"]
+    assert _run([*unpacked, "--ckpt-dir", tmp_path / "cut"]) == 2
+    assert "packing: saved True, given False" in capsys.readouterr().err
+    assert _run([*run, "--ckpt-dir", tmp_path / "cut"]) == 0
+    whole, resumed = checkpoint.load_params(tmp_path / "whole"), checkpoint.load_params(tmp_path / "cut")
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)))
+
+
+def test_a_run_from_before_packing_resumes_unpacked(tmp_path, capsys):
+    """A checkpoint whose config predates the field counts as unpacked (cli.OLDER_RUN_DEFAULTS)."""
+    run = ["sft", *PACKING_TINY, "--steps", "2", "--save-every", "1", "--sync-save",
+           "--ckpt-dir", tmp_path / "run"]
+    assert _run([*run, "--stop-after", "1"]) == 0
+    meta_file = tmp_path / "run" / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["config"]["packing"]
+    meta_file.write_text(json.dumps(meta))
+    assert _run([*run, "--packing"]) == 2  # packed, it would be another run
+    assert "packing: saved False, given True" in capsys.readouterr().err
+    assert _run(run) == 0
+
+
+def test_packed_distillation_scores_the_eval_split_unpacked(skewed):
+    """distill --packing trains on packed rows (packing.distill_objective) and scores the eval
+    split's plain rows with distill.objective: the unpacked run's eval loss, bit for bit."""
+    argv = ["distill", *PACKING_TINY, *skewed, "--steps", "2"]
+    packed = cli.build_method(cli.config_from_argv([*argv, "--packing"]), with_eval=True)
+    plain = cli.build_method(cli.config_from_argv(argv), with_eval=True)
+    assert packed.eval_objective is not None and plain.eval_objective is None
+    with pytest.raises(KeyError, match="segment_ids"):  # the packed objective needs packed rows
+        packed.objective(packed.params, {k: v[:2] for k, v in packed.eval_rows.items()}, packed.frozen)
+    losses = [cli.make_eval_loss(m, 8, None)(m.params) for m in (packed, plain)]
+    assert losses[0] == losses[1] and np.isfinite(losses[0])

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, data, distill, evaluate, gkd, grpo, losses, model, train
+from tunix_nb import checkpoint, data, distill, evaluate, gkd, grpo, losses, model, sampler, train
 from tunix_nb.tokenizer import ByteTokenizer
 
 EXAMPLES = 64
@@ -124,13 +124,24 @@ def test_seq_kd_trains_on_the_teachers_greedy_answers(models):
                                seq_kd=True)
     batch, metrics = rollout(0, student, None, teacher)
     assert metrics["gkd/on_policy"] == 0.0 and batch["own_sample"].sum() == 0
-    prompts = grpo.prompt_rows(examples)
+    prompts = sampler.prompt_rows(examples)
     picked = data.batch_at(prompts, 0, 8, seed=0)
     greedy_BxT = model.greedy_generate(teacher_graphdef, teacher, picked["prompt_tokens"], picked["prompt_mask"],
                                        max_new_tokens=data.MAX_NEW_TOKENS)  # no KV cache: an independent decoder
     T = data.MAX_NEW_TOKENS
     mask = batch["loss_mask"][:, -T:] > 0
     assert np.array_equal(batch["targets"][:, -T:][mask], np.asarray(greedy_BxT)[mask])
+
+
+def test_gkd_samples_beside_the_sampler_without_importing_grpo():
+    """On-policy sampling is the sampler's (`sampler.make_sampler`), shared with GRPO, whose
+    old names still point at it (lessons 08 and 11 call them as grpo.*)."""
+    code = "import sys, tunix_nb.gkd; print('tunix_nb.grpo' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr[-2000:]
+    for name in ("make_sampler", "prompt_rows", "rollout_keys", "training_rows", "completion_log_probs"):
+        assert getattr(grpo, name) is getattr(sampler, name), name
 
 
 def test_offline_settings_are_refused_by_make_batches(models):

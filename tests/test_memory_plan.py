@@ -1,7 +1,7 @@
 """The memory plan (tunix_nb.memory_plan) and the memory remedies it measures: donation
 shows up as aliased bytes, a bfloat16 base halves the frozen base's argument bytes,
 bfloat16 attention keeps no float32 [B, H, L, L] array (the float32 path is unchanged),
-per-block remat on a loaded checkpoint, and the stored results/memory.json."""
+per-block remat on a loaded checkpoint, and the stored plans (results/bench.json's "memory")."""
 
 import contextlib
 import io
@@ -20,6 +20,7 @@ from tunix_nb.memory_plan import analysis as plan_lib
 from tunix_nb.memory_plan import report
 
 ROOT = Path(__file__).resolve().parent.parent
+STORED = ROOT / "results" / "bench.json"
 QWEN3_FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "qwen3"
 TINY_HF = hf.hf_config_for(model.get_config("tiny", n_layers=1), dtype="float32")
 TINY_PLAN = memory_plan.PlanConfig(strategy="lora", batch_size=2, seq_len=8, lora_rank=2)
@@ -45,9 +46,10 @@ def cpu_before_after(tiny_report):
     return {row["variant"]: row["compiled"]["1"] for row in tiny_report[1]["rows"]}
 
 
-def test_the_report_writes_its_rows_and_prints_a_table(tiny_report):
+def test_the_report_writes_its_rows_into_the_bench_record_and_prints_a_table(tiny_report):
     out, results = tiny_report
-    assert json.loads((out / "memory.json").read_text()) == results
+    assert json.loads((out / "bench.json").read_text()) == {"memory": results}
+    assert json.loads((out / "memory.json").read_text()) == results  # lesson 09's copy
     assert [(r["variant"], r["extrapolated"], r["n_layers"]) for r in results["rows"]] == [
         ("before", False, 1), ("after", False, 1)]
     text = report.table(results)
@@ -213,11 +215,22 @@ def test_the_shipped_model_configs_read_as_the_published_shapes():
             llama.head_size, llama.rope_scaling.factor) == (128_256, 2048, 8192, 16, 32, 8, 64, 32.0)
 
 
+def stored_plans() -> dict:
+    return json.loads(STORED.read_text())["memory"]
+
+
+def test_lesson_09s_copy_of_the_stored_plans_is_the_bench_record():
+    """results/memory.json, which lesson 09 reads (memory_plan.fit.stored_row), holds what
+    results/bench.json's "memory" record holds."""
+    assert memory_plan.fit.RESULTS == ROOT / "results" / report.COPY
+    assert json.loads(memory_plan.fit.RESULTS.read_text()) == stored_plans()
+
+
 def test_the_stored_memory_results_have_their_fields():
-    results = json.loads((ROOT / "results" / "memory.json").read_text())
+    results = stored_plans()
     assert results["settings"]["batch_size"] == 8 and results["settings"]["seq_len"] == 1024
     assert results["settings"]["compute_dtype"] == "bfloat16"
-    assert results["rows"], "results/memory.json holds no plan; run python -m tunix_nb.bench --only memory"
+    assert results["rows"], "results/bench.json holds no memory plan; run python -m tunix_nb.bench --only memory"
     for row in results["rows"]:
         full = row["full_depth"]
         assert full["total_bytes"] == pytest.approx(full["argument_bytes"] + full["output_bytes"]
@@ -235,7 +248,7 @@ def test_the_stored_memory_results_have_their_fields():
 
 
 def test_the_stored_rows_are_the_before_and_after_steps():
-    results = json.loads((ROOT / "results" / "memory.json").read_text())
+    results = stored_plans()
     for row in results["rows"]:
         cfg = memory_plan.PlanConfig(**row["config"])
         make = memory_plan.before if row["variant"] == "before" else memory_plan.after
@@ -247,7 +260,7 @@ def test_the_stored_rows_are_the_before_and_after_steps():
 def test_the_stored_chunked_rows_hold_no_float32_logits():
     """The "after, chunked" rows (chunked log-probs) on one v5e chip: no float32 [B, L, V]
     array in the compiled program at any depth compiled, for every row with a target."""
-    results = json.loads((ROOT / "results" / "memory.json").read_text())
+    results = stored_plans()
     chunked = [r for r in results["rows"] if r["variant"] == report.CHUNKED]
     assert {(r["model"], r["strategy"]) for r in chunked if r["target"] == "v5e"} == set(report.QUICK_ROWS)
     assert "command" in results["settings"][report.CHUNKED]

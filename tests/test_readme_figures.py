@@ -16,7 +16,7 @@ How an entry reads:
   count as one space), with `{}` where the figure stands, `{n}` for any other number and
   `{...}` for any text within a table cell. It must occur exactly once on the page.
 - `source`: a notebook in notebooks/, or a record in results/ ("bench.json",
-  "compile_cache.json", "memory.json", ...). `where`, for a notebook, is a
+  "compile_cache.json", ...). `where`, for a notebook, is a
   regular expression over one code cell's stored output (text and text/plain), with
   `{}` for each number it reads and `{n}` for a number it skips, matching exactly one
   cell; or `WALL`, the cells' wall time from the execution timestamps the notebook
@@ -78,8 +78,9 @@ def cache_record(name, text, *keys, **kw):
 
 
 def memory(name, text, *keys, **kw):
-    """A figure from results/memory.json: the memory plan's settings (its table is tests/test_docs_benchmarks.py's)."""
-    return Figure(name, text, "memory.json", keys, **kw)
+    """A figure from results/bench.json's "memory": the memory plan's settings (its table is
+    tests/test_docs_benchmarks.py's). `keys`: tuples of keys within that record."""
+    return Figure(name, text, BENCH, tuple(("memory", *k) for k in keys), **kw)
 
 
 def on(page: str, figures: list[Figure]) -> list[Figure]:
@@ -536,6 +537,26 @@ BENCHMARK_FIGURES = on(BENCHMARKS, [
            (("figures", "dpo", "8", "kit_over_tunix_host_batch", "median"),)),
     Figure("tunix distill host batch", "its distillation step {} of Tunix's on 8 devices", TUNIX,
            (("figures", "distill", "8", "kit_over_tunix_host_batch", "median"),)),
+    # ------------------------------------------------------------ packing against padding
+    bench("packing examples", "on a batch of {} examples whose", "packing.examples_per_batch"),
+    bench("packing row length", "padded to {} tokens a row", ("packing", "shapes", "padding", 1)),
+    bench("packed row length", "first-fit-decreasing into rows of {},", ("packing", "shapes", "packing", 1)),
+    bench("padding of the padded batch", "Padding is {}% of the padded batch",
+          "packing.padding_fraction.padding", scale=100),
+    bench("padding of padded batches on average", "padded batch ({}% on average over",
+          "packing.padding_fraction_mean.padding", scale=100),
+    bench("batches averaged", "on average over {} batches)", "packing.padding_fraction_mean_batches"),
+    bench("padding of the packed batch", "and {}% of the packed one", "packing.padding_fraction.packing", scale=100),
+    bench("padding of packed batches on average", "packed one ({}% on average)",
+          "packing.padding_fraction_mean.packing", scale=100),
+    bench("packing_over_padding", "packed rows' tokens per second over padded rows', is {}",
+          "packing.packing_over_padding.value"),
+    bench("packing_over_padding q25", "(IQR {}–{n} over", "packing.packing_over_padding.spread.q25"),
+    bench("packing_over_padding q75", "(IQR {n}–{} over", "packing.packing_over_padding.spread.q75"),
+    bench("packing_over_padding rounds", "over {} rounds;", "packing.packing_over_padding.spread.rounds"),
+    bench("packing_over_padding target", "target ≥ {}), with the same loss", "packing.packing_over_padding.target"),
+    bench("padding-free over padding", "The padding-free row runs at {} of", ("packing", "speedup_over_padding",
+                                                                                "padding_free", "median")),
     # ------------------------------------------------------------ the memory plan's settings
     memory("memory plan batch", "at batch × length {} × {n} with", ("settings", "batch_size")),
     memory("memory plan length", "at batch × length {n} × {} with", ("settings", "seq_len")),

@@ -19,7 +19,7 @@ Resuming, in detail:
 - Batches are a pure function of (--seed, step), and no step draws random numbers, so
   the step is the whole data/RNG state. GRPO's rollouts and on-policy distillation's
   batches (distill --lmbda) do sample, with keys that are a pure function of (--seed,
-  step, row) (`grpo.rollout_keys`; `gkd.batch_source` for which steps sample), so the
+  step, row) (`sampler.rollout_keys`; `gkd.batch_source` for which steps sample), so the
   same holds. Each checkpoint also holds the run key folded with its step (item `rng`),
   which the resumed run checks against its own.
 - A save killed midway leaves `<step>.orbax-checkpoint-tmp`, which is not a checkpoint;
@@ -56,7 +56,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from tunix_nb import config_flags, devices, distill, distributed, dpo, gkd, grpo, lora, losses, sft, tracking
+from tunix_nb import config_flags, devices, distill, distributed, dpo, gkd, grpo, lora, losses, sampler, sft, tracking
 from tunix_nb.gkd import GKDConfig
 from tunix_nb.lora import LoRAConfig
 from tunix_nb.train.config import (  # noqa: F401  (PARALLEL_CHOICES: re-exported, as before)
@@ -85,8 +85,9 @@ RECORD_FIELDS = ("command", "model", *dict.fromkeys(
     for f in config_flags.option_fields(cls) if f.name != "model"), "model_sha256", "data_sha256")
 # A field a checkpoint's config lacks (it predates the field) counts as this value: the
 # run it describes used it.
-OLDER_RUN_DEFAULTS = {"grad_accum": 1, "remat": False, "dtype": "float32"}
+OLDER_RUN_DEFAULTS = {"grad_accum": 1, "remat": False, "dtype": "float32", "packing": False}
 LISTING_ORDER = ("sft", "dpo", "grpo", "distill")  # how "applies only to ..." lists commands
+PACKING_COMMANDS = ("sft", "distill")  # --packing: the methods whose rows are prompt/completion examples
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -222,6 +223,7 @@ def _check_data_and_export_flags(args) -> None:
     if args.command == "distill" and args.train_file and (args.lmbda or args.seq_kd):
         raise FlagError("on-policy distillation (--lmbda, --seq-kd) samples from the shipped task's prompts; with "
                         "--train-file use offline distillation (--lmbda 0, no --seq-kd)")
+    _check_packing_flags(args)
     if args.seq_chunk is not None and args.vocab_chunk is None:
         raise FlagError("--seq-chunk needs --vocab-chunk (the positions are taken in chunks within the "
                         "vocabulary-chunked path)")
@@ -233,6 +235,20 @@ def _check_data_and_export_flags(args) -> None:
                         "final checkpoint afterwards in one process (hf.save_pretrained, peft_adapter.save_adapter)")
     if (args.export_dtype or args.max_shard_size) and not args.export_hf:
         raise FlagError("--export-dtype and --max-shard-size shape --export-hf's folder: add --export-hf DIR")
+
+
+def _check_packing_flags(args) -> None:
+    if not args.packing:
+        return
+    if args.command not in PACKING_COMMANDS:
+        raise FlagError(f"--packing applies only to {' and '.join(PACKING_COMMANDS)}, not {args.command}: it packs "
+                        "prompt/completion examples, not preference pairs or prompts")
+    if args.command == "distill" and (args.lmbda or args.seq_kd):
+        raise FlagError("--packing packs the dataset's examples; on-policy distillation (--lmbda, --seq-kd) trains "
+                        "on rows it samples, unpacked: drop --packing or the on-policy flags")
+    if args.command == "distill" and args.vocab_chunk is not None:
+        raise FlagError("distill --packing computes full logits (packing.distill_objective has no chunked path): "
+                        "drop --vocab-chunk/--seq-chunk or --packing")
 
 
 def _check_process_flags(args) -> None:
@@ -491,6 +507,10 @@ class Method:
     eval_rows: dict | None = None
     tokenizer: object = None
     lora_alpha: float | None = None  # LoRA: the adapters' alpha (scale alpha / rank), for --export-adapter
+    # --packing: how each step's examples become packed rows (packing.PackingConfig, its num_rows
+    # set in `prepare`); and the objective of the unpacked eval rows where `objective` wants packed ones
+    packing: object = None
+    eval_objective: object = None
 
 
 @dataclasses.dataclass
@@ -623,7 +643,7 @@ def training_arrays(config: RunConfig, tokenizer, split: str = "train", examples
     if config.command == "dpo":
         return data.preference_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
     if config.command == "grpo":
-        return grpo.prompt_rows(examples, tokenizer)
+        return sampler.prompt_rows(examples, tokenizer)
     return data.sft_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
 
 
@@ -712,6 +732,12 @@ def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Me
     teacher_graphdef, teacher_params = distill.load_teacher(options.teacher)
     objective = distill.objective(graphdef, teacher_graphdef, beta=options.beta or 0.0, compute_dtype=dtype,
                                   **chunks_of(config))
+    if config.data.packing:  # per-example means taken per segment; the eval rows stay unpacked
+        from tunix_nb import packing
+
+        packed = packing.distill_objective(graphdef, teacher_graphdef, beta=options.beta or 0.0, compute_dtype=dtype)
+        return Method(graphdef, params, rows, packed, frozen=teacher_params, eval_rows=eval_rows,
+                      eval_objective=objective)
     if not (sampling.lmbda or sampling.seq_kd):  # offline: the dataset's answers
         return Method(graphdef, params, rows, objective, frozen=teacher_params, eval_rows=eval_rows)
 
@@ -848,7 +874,7 @@ def make_eval_loss(method: Method, batch_size: int, mesh):
 
     from tunix_nb import parallel
 
-    objective = jax.jit(method.objective)
+    objective = jax.jit(method.eval_objective or method.objective)
     rows = method.eval_rows
     n_rows = len(next(iter(rows.values())))
 
@@ -941,24 +967,55 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, t
 
 def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, step, chunk, log, mesh):
     """`chunk` steps from `step`: -> (params, opt_state)."""
-    from tunix_nb import data, train
+    from tunix_nb import train
 
     # under pmap train.run hands back one (unreplicated) copy; on a mesh the state stays
     # placed, and every process saves its own shards of it
-    my_rows = _process_rows(mesh, config.batch_size)
     common = dict(steps=chunk, start_step=step, parallel_mode=args.parallel,
                   progress=sys.stderr.isatty() and distributed.is_main_process(), on_step=log,
                   desc=f"{config.command} {step}->{step + chunk}", keep_placement=mesh is not None)
     if rollout_fn is None:
-        def batch_fn(k):
-            return data.batch_at(method.rows, k, config.batch_size, seed=config.seed, rows=my_rows)
-
-        params, opt_state, _ = train.run(step_fn, params, opt_state, batch_fn, frozen=method.frozen, **common)
+        params, opt_state, _ = train.run(step_fn, params, opt_state, batch_source(method, config, mesh),
+                                         frozen=method.frozen, **common)
     else:  # on-policy: each step samples its batch with the current params
         params, opt_state, _ = train.run_on_policy(step_fn, params, opt_state, rollout_fn,
                                                    num_iterations=config.num_iterations, reference=method.reference,
                                                    frozen=method.frozen, **common)
     return params, opt_state
+
+
+def batch_source(method: Method, config: RunConfig, mesh):
+    """step -> this process's rows of the step's batch: `data.batch_at`'s examples, a pure
+    function of (--seed, step), packed into `method.packing.num_rows` rows with --packing."""
+    from tunix_nb import data, packing
+
+    if method.packing is None:
+        my_rows = _process_rows(mesh, config.batch_size)
+        return lambda k: data.batch_at(method.rows, k, config.batch_size, seed=config.seed, rows=my_rows)
+    my_rows = _process_rows(mesh, method.packing.num_rows) or slice(None)
+
+    def packed_batch(k):  # every process packs the global batch, then keeps its rows
+        batch, _ = packing.packed_batch_at(method.rows, k, config.batch_size, seed=config.seed, cfg=method.packing)
+        return {key: rows[my_rows] for key, rows in batch.items()}
+
+    return packed_batch
+
+
+def packing_of(config: RunConfig, rows: dict, parallel_mode: str):
+    """--packing: the packing.PackingConfig of every step (None without it). Rows as long as the
+    unpacked ones; as many as the run's fullest step needs (`packing.rows_needed`), rounded
+    up to a multiple of the devices x --grad-accum so that every batch splits evenly: a pure
+    function of the run's data and flags, so a resumed run packs as it did."""
+    if not config.data.packing:
+        return None
+    import jax
+
+    from tunix_nb import packing
+
+    cfg = packing.PackingConfig(max_length=int(rows["inputs"].shape[1]))
+    needed = packing.rows_needed(rows, steps=config.steps, batch_size=config.batch_size, seed=config.seed, cfg=cfg)
+    multiple = (1 if parallel_mode == "jit" else jax.device_count()) * config.training.grad_accum
+    return dataclasses.replace(cfg, num_rows=-(-needed // multiple) * multiple)
 
 
 def _process_rows(mesh, batch_size):
@@ -1015,6 +1072,10 @@ def prepare(args):
     n_rows = len(next(iter(method.rows.values())))
     if config.batch_size > n_rows:
         raise FlagError(f"--batch-size {config.batch_size} is larger than the {n_rows} training examples")
+    method.packing = packing_of(config, method.rows, args.parallel)
+    if method.packing is not None:
+        _say(f"--packing: each step's {config.batch_size} examples in {method.packing.num_rows} rows of "
+             f"{method.packing.max_length} tokens")
     updates = config.num_iterations  # grpo: the schedule counts updates, mu per step
     optimizer = train.make_optimizer(train.OptimizerConfig(
         learning_rate=config.training.learning_rate, warmup_steps=config.training.warmup_steps * updates,

@@ -11,7 +11,7 @@ Each step's batch comes from one source, a pure function of (seed, step)
 (`batch_source`):
 - "student", with probability `lmbda`: the student samples a completion of each of the
   step's prompts with its current params (`temperature`; row r of step s with
-  `grpo.rollout_keys`), and the teacher scores it inside the step. Its own tokens are
+  `sampler.rollout_keys`), and the teacher scores it inside the step. Its own tokens are
   no right answer, so these rows (`own_sample` = 1) train on the divergence alone.
 - "teacher", otherwise, with `seq_kd`: the teacher's greedy completions of the prompts
   (sequence-level KD, Kim & Rush 2016), generated in the step, as TRL does (TRL samples
@@ -23,7 +23,7 @@ generalized JSD), on the completion tokens, per example under `vmap`. With lmbda
 beta = 0 and no seq_kd every batch is "data" and the step is lesson 02's, bit for bit.
 
 What is data-parallel: sampling, the student's and the teacher's (each device samples its
-own rows, `grpo.make_sampler`, with one key per row, so 1 device and 8 draw the same
+own rows, `sampler.make_sampler`, with one key per row, so 1 device and 8 draw the same
 tokens), and the step (sums and counts all-reduced, as for every method). `make_batches`
 returns a `rollout_fn` for `train.run_on_policy`, with the teacher as its `frozen` argument.
 """
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tunix_nb import data, grpo
+from tunix_nb import data, sampler
 from tunix_nb.config_flags import in_unit_interval, option, positive_float, positive_int
 from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 
@@ -102,7 +102,7 @@ def batch_source(seed: int, step: int, lmbda: float, seq_kd: bool) -> str:
 
 
 def sampled_batch(rows: dict, *, own_sample: bool) -> dict:
-    """Sampled completions (`grpo.training_rows`' prompt + completion rows) as a distillation
+    """Sampled completions (`sampler.training_rows`' prompt + completion rows) as a distillation
     batch: `loss_mask` is 0 on the prompt and the completion mask on the completion, and
     `own_sample` [B] says whether the student sampled the row itself."""
     completion_mask_BxT = np.asarray(rows["completion_mask"], np.int32)
@@ -124,7 +124,7 @@ def make_batches(student_graphdef, teacher_graphdef, examples: Sequence[dict], *
 
     Step s uses the examples `data.batch_at(seed=seed)` picks (the same as offline
     distillation) and the source `batch_source` picks. Both samplers run data-parallel
-    with the step's `parallel_mode` and `mesh` (see `grpo.make_sampler`), on the params
+    with the step's `parallel_mode` and `mesh` (see `sampler.make_sampler`), on the params
     as the step holds them. Metrics: "gkd/on_policy" (1 when the student sampled the
     batch) and, for sampled batches, "completions/mean_length" (tokens, eos included).
     """
@@ -134,11 +134,11 @@ def make_batches(student_graphdef, teacher_graphdef, examples: Sequence[dict], *
     check_settings(lmbda)
     tokenizer = tokenizer or ByteTokenizer()
     rows = data.sft_arrays(examples, tokenizer, seq_len)
-    prompts = grpo.prompt_rows(examples, tokenizer, prompt_len)
+    prompts = sampler.prompt_rows(examples, tokenizer, prompt_len)
     common = dict(max_new_tokens=max_new_tokens, compute_dtype=compute_dtype, eos_id=tokenizer.eos_id,
                   pad_id=tokenizer.pad_id, parallel_mode=parallel_mode, mesh=mesh)
-    sample = {"student": grpo.make_sampler(student_graphdef, temperature=temperature, **common),
-              "teacher": grpo.make_sampler(teacher_graphdef, temperature=0.0, **common)}  # greedy: seq_kd
+    sample = {"student": sampler.make_sampler(student_graphdef, temperature=temperature, **common),
+              "teacher": sampler.make_sampler(teacher_graphdef, temperature=0.0, **common)}  # greedy: seq_kd
 
     def rollout_fn(step, params, reference=None, teacher=None):
         source = batch_source(seed, step, lmbda, seq_kd)
@@ -146,7 +146,7 @@ def make_batches(student_graphdef, teacher_graphdef, examples: Sequence[dict], *
             return data.batch_at(rows, step, batch_size, seed=seed), {"gkd/on_policy": 0.0}
         picked = data.batch_at(prompts, step, batch_size, seed=seed)
         out = sample[source](params if source == "student" else teacher, None, picked["prompt_tokens"],
-                             picked["prompt_mask"], grpo.rollout_keys(seed, step, batch_size))
+                             picked["prompt_mask"], sampler.rollout_keys(seed, step, batch_size))
         batch = sampled_batch(out, own_sample=source == "student")
         lengths = batch["loss_mask"].sum(axis=1)
         return batch, {"gkd/on_policy": float(source == "student"), "completions/mean_length": float(lengths.mean())}

@@ -22,18 +22,13 @@ which are sums and weights, give the same loss sum, token count and gradients.
   loss is already a token sum. Distillation's loss is a mean over each example's tokens,
   then a sum over examples: `segment_means` does that reduction per segment.
 
-`python -m tunix_nb.packing --bench` measures padding against packing and padding-free
-(`throughput_comparison`) and writes results/packing.json.
+`python -m tunix_nb.bench --only packing` measures padding against packing and padding-free
+on `synthetic_examples` (`tunix_nb.bench.packing`): results/bench.json's "packing" record.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
-import json
-import sys
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import jax
@@ -215,6 +210,20 @@ def packed_batch_at(arrays: Mapping[str, np.ndarray], step: int, batch_size: int
     return pack(data.batch_at(arrays, step, batch_size, seed=seed), cfg)
 
 
+def rows_needed(arrays: Mapping[str, np.ndarray], *, steps: int, batch_size: int, seed: int,
+                cfg: PackingConfig = PackingConfig()) -> int:
+    """The most packed rows any of the steps 0 ... steps - 1 needs (`packed_batch_at`'s
+    batches): a `PackingConfig.num_rows` that serves a whole run, so that one compiled step
+    trains on every batch. A pure function of its arguments, as the packer is; it packs
+    each step's lengths once (about a millisecond a step for 64 examples)."""
+    if cfg.padding_free:
+        return 1
+    lengths_N = example_lengths(arrays)
+    pack_rows = first_fit_decreasing if cfg.strategy == "first_fit_decreasing" else next_fit
+    return max(len(pack_rows(data.batch_at({"length": lengths_N}, step, batch_size, seed=seed)["length"],
+                             cfg.max_length)) for step in range(steps))
+
+
 def unpack(values_RxL, layout: Layout, fill=0) -> np.ndarray:
     """Per-token values of a packed batch (e.g. logits [R, L, ...]) back in the examples'
     order, right-padded to the longest example: [N, max length, ...]."""
@@ -235,25 +244,27 @@ def padding_fraction(attention_mask_BxL) -> float:
 # ------------------------------------------------------------------- the objectives
 
 
+def segment_keywords(batch) -> dict:
+    """A packed batch's segment ids and positions as the model's keywords (`model.apply`,
+    `model.hidden_states`); {} for plain rows, which the model then reads as before."""
+    if "segment_ids" not in batch:
+        return {}
+    return {"segment_ids_BxL": batch["segment_ids"], "positions_BxL": batch["positions"]}
+
+
 def apply_packed(graphdef, params, batch):
     """Logits [R, L, V] of a packed batch: each example attends only to itself."""
-    return model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"],
-                           segment_ids_BxL=batch["segment_ids"], positions_BxL=batch["positions"])
+    return model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"], **segment_keywords(batch))
 
 
-def sft_objective(graphdef, *, compute_dtype="auto"):
-    """`sft.objective` on packed batches: (NLL summed over completion tokens, token count, {}).
-
-    The same sums as the unpacked batch's, so `train.make_step` trains on either alike.
+def sft_objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk=None):
+    """`sft.objective`, which reads a packed batch's segment ids: (NLL summed over completion
+    tokens, token count, {}). The same sums as the unpacked batch's, so `train.make_step`
+    trains on either alike, and the chunked log-probs (`vocab_chunk`) serve both.
     """
-    compute_dtype = resolve_compute_dtype(compute_dtype)
+    from tunix_nb import sft  # sft reads packed batches through segment_keywords
 
-    def packed_sft_objective(params, batch, frozen=None):
-        logits_RxLxV = apply_packed(graphdef, cast_floats(params, compute_dtype), batch)
-        nll_sum, count = losses.sft_loss(logits_RxLxV, batch["targets"], batch["loss_mask"])
-        return nll_sum, count, {}
-
-    return packed_sft_objective
+    return sft.objective(graphdef, compute_dtype=compute_dtype, vocab_chunk=vocab_chunk, seq_chunk=seq_chunk)
 
 
 def segment_means(values_BxL, mask_BxL, segment_ids_BxL):
@@ -319,9 +330,7 @@ def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, al
     return packed_distill_objective
 
 
-# -------------------------------------------------------------------- the measurement
-
-BENCH_COMMAND = "python -m tunix_nb.packing --bench"
+# ---------------------------------------------------------------- a skewed batch
 
 
 def synthetic_examples(n: int, *, min_length: int = 16, max_length: int = 256, vocab_size: int = 259,
@@ -339,95 +348,3 @@ def synthetic_examples(n: int, *, min_length: int = 16, max_length: int = 256, v
     return {"inputs": row_NxL1[:, :-1], "targets": row_NxL1[:, 1:],
             "loss_mask": ((t_L >= prompts_N[:, None]) & (t_L < lengths_N[:, None] - 1)).astype(np.float32),
             "attention_mask": (t_L < lengths_N[:, None]).astype(np.int32)}
-
-
-def mean_padding_fractions(n_batches: int, batch_size: int, cfg: PackingConfig, *, min_length: int,
-                           seed: int) -> dict[str, float]:
-    """The padding fraction of padded rows, packed rows and padding-free rows, averaged
-    over `n_batches` batches drawn from the benchmark's length distribution."""
-    fractions = {"padding": [], "packing": [], "padding_free": []}
-    for b in range(n_batches):
-        arrays = synthetic_examples(batch_size, min_length=min_length, max_length=cfg.max_length, seed=seed + b)
-        fractions["padding"].append(padding_fraction(arrays["attention_mask"]))
-        fractions["packing"].append(pack(arrays, dataclasses.replace(cfg, padding_free=False))[1].padding_fraction)
-        fractions["padding_free"].append(pack(arrays, dataclasses.replace(cfg, padding_free=True))[1].padding_fraction)
-    return {name: float(np.mean(v)) for name, v in fractions.items()}
-
-
-def _steps(preset: str, seed: int):
-    """(SFT step on padded rows, SFT step on packed rows, params, optimizer state): one step
-    builder (`train.make_step`, jit, AdamW), the kit's objective and the packed one."""
-    from tunix_nb import sft, train  # the measurement only: the packer needs neither
-
-    graphdef, params = model_lib.split(model_lib.make_model(preset, seed=seed))
-    optimizer = train.make_optimizer(train.OptimizerConfig())
-    padded_step = train.make_step(sft.objective(graphdef), optimizer)
-    packed_step = train.make_step(sft_objective(graphdef), optimizer)
-    return padded_step, packed_step, params, optimizer.init(params)
-
-
-def throughput_comparison(*, batch_size: int = 32, max_length: int = 256, min_length: int = 16,
-                          preset: str = "student", repeats: int = 9, pad_to_multiple_of: int = 128,
-                          n_batches_for_padding: int = 200, seed: int = 0) -> dict:
-    """Tokens per second of an SFT training step on one batch laid out three ways: padded
-    rows, packed rows and one padding-free row, timed side by side in rounds
-    (`bench.interleaved_times`; compile excluded, medians), and each layout's padding."""
-    from tunix_nb import bench  # its timing helpers
-
-    cfg = PackingConfig(max_length=max_length, pad_to_multiple_of=pad_to_multiple_of)
-    arrays = synthetic_examples(batch_size, min_length=min_length, max_length=max_length, seed=seed)
-    batches = {"padding": arrays, "packing": pack(arrays, cfg)[0],
-               "padding_free": pack(arrays, dataclasses.replace(cfg, padding_free=True))[0]}
-    padded_step, packed_step, params, opt_state = _steps(preset, seed)
-    steps = {"padding": padded_step, "packing": packed_step, "padding_free": packed_step}
-    fns = {name: functools.partial(steps[name], params, opt_state, jax.device_put(batch))
-           for name, batch in batches.items()}
-    losses_seen = {name: float(fn()[2]["loss"]) for name, fn in fns.items()}
-    times = bench.interleaved_times(fns, repeats=repeats, warmup=2)
-    tokens = int(arrays["attention_mask"].sum())
-    tokens_per_second = {name: tokens / float(np.median(t)) for name, t in times.items()}
-    return {
-        "tokens_per_batch": tokens, "examples_per_batch": batch_size,
-        "shapes": {name: list(batch["inputs"].shape) for name, batch in batches.items()},
-        "padding_fraction": {name: padding_fraction(batch["attention_mask"]) for name, batch in batches.items()},
-        "padding_fraction_mean": mean_padding_fractions(n_batches_for_padding, batch_size, cfg,
-                                                        min_length=min_length, seed=seed + 1),
-        "loss": losses_seen,
-        "seconds_per_step": {name: bench.spread(t) for name, t in times.items()},
-        "tokens_per_second": tokens_per_second,
-        # the ratio of the medians, and (the headline, as bench.py reports ratios) the
-        # spread of the per-round ratios, which cancels load that slows a whole round
-        "tokens_per_second_ratio": {name: tps / tokens_per_second["padding"] for name, tps in tokens_per_second.items()},
-        "speedup_over_padding": {name: bench.spread_of_ratio(times, "padding", name)
-                                 for name in ("packing", "padding_free")},
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tunix_nb.packing",
-                                     description="Measure sequence packing against padding (results/packing.json).")
-    parser.add_argument("--bench", action="store_true", help="run the measurement")
-    parser.add_argument("--out", default="results/packing.json", help="where to write the result")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
-    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
-    parser.add_argument("--preset", default="student", help="model preset (default student)")
-    args = parser.parse_args(argv)
-    if not args.bench:
-        parser.error("nothing to do: pass --bench")
-    from tunix_nb import bench
-
-    result = throughput_comparison(batch_size=args.batch_size, repeats=args.repeats, preset=args.preset)
-    command = " ".join(["python -m tunix_nb.packing", *(argv if argv is not None else sys.argv[1:])])
-    payload = {"command": command, "machine": bench.machine(),
-               "note": "times from a CPU are relative only: compare the layouts, not the machines",
-               "length_distribution": "prompt + completion tokens uniform over [16, 256], max length 256",
-               **result}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
-    for name, tps in result["tokens_per_second"].items():
-        print(f"{name:13s} padding {result['padding_fraction'][name]:6.1%}  {tps:10.0f} tokens/s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,18 +13,29 @@ does not depend on which other rows share its batch, or its device (GRPO's data-
 rollouts, `tunix_nb.grpo`). This is
 what Tunix's `Sampler` does (prefill, then a decode loop over a fixed-size cache, with
 temperature, top-k and top-p).
+
+On-policy sampling, which GRPO (`tunix_nb.grpo`) and on-policy distillation
+(`tunix_nb.gkd`) share, sits beside it: the prompt rows (`prompt_rows`), one key per
+row from (seed, step, row) (`rollout_keys`), and `make_sampler`, which samples on every
+parallel strategy and returns the training rows (`training_rows`) with the sampled
+tokens' log-probs as the step computes them (`completion_log_probs`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from tunix_nb import data, losses, parallel, vocab_chunks
 from tunix_nb import model as model_lib
+from tunix_nb.precision import cast_floats, resolve_compute_dtype
+from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 
 
 class Completions(NamedTuple):
@@ -198,3 +209,148 @@ def _generate(graphdef, params, prompt_BxP, prompt_mask_BxP, key, *, max_new_tok
 
     _, out, _, _, _ = jax.lax.fori_loop(1, T, step, (cache, out, token_B, real_B, done_B))
     return Completions(*out)
+
+
+# ------------------------------------------------------------------ on-policy sampling: prompts and keys
+
+# What GRPO's rollouts (`tunix_nb.grpo`) and on-policy distillation's batches (`tunix_nb.gkd`)
+# share: the prompt rows, one key per row from (seed, step, row), and a sampler that returns
+# training rows, data-parallel under every strategy.
+
+
+def prompt_rows(examples: Sequence[dict], tokenizer: Tokenizer | None = None,
+                prompt_len: int = data.DEFAULT_PROMPT_LEN) -> dict[str, np.ndarray]:
+    """The rows rollouts draw prompts from: left-padded `prompt_tokens_NxP`, `prompt_mask_NxP`,
+    and `index_N` (the example each row is), for `data.batch_at(rows, step, B, seed=seed)`."""
+    arrays = data.prompt_arrays([e["prompt"] for e in examples], tokenizer or ByteTokenizer(), prompt_len)
+    return {"prompt_tokens": arrays["tokens"], "prompt_mask": arrays["attention_mask"],
+            "index": np.arange(len(examples))}
+
+
+def rollout_keys(seed: int, step: int, n_rows: int) -> np.ndarray:
+    """Key data [n_rows, 2] (uint32): row r of step `step` samples with fold_in(fold_in(key(seed), step), r).
+
+    One key per row of the global rollout batch, so a row's completion does not depend
+    on which device samples it, nor on the other rows of its batch.
+    """
+    step_key = jax.random.fold_in(jax.random.key(seed), step)
+    keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(jnp.arange(n_rows))
+    return np.asarray(jax.random.key_data(keys))
+
+
+# ------------------------------------------------------------------ the training batch
+
+
+def training_rows(prompt_BxP, prompt_mask_BxP, completion_BxT, completion_mask_BxT) -> dict:
+    """Prompt + completion as one row, shifted for next-token prediction.
+
+    `inputs`, `targets`, `attention_mask` are [B, P + T - 1]; `completion_mask` [B, T] is
+    1 on the completion's tokens up to and including eos. The completion tokens are the
+    last T targets, predicted by the last T positions.
+    """
+    seq_BxS = jnp.concatenate([prompt_BxP, completion_BxT.astype(prompt_BxP.dtype)], axis=1)
+    mask_BxS = jnp.concatenate([prompt_mask_BxP, completion_mask_BxT.astype(prompt_mask_BxP.dtype)], axis=1)
+    return {"inputs": seq_BxS[:, :-1], "targets": seq_BxS[:, 1:], "attention_mask": mask_BxS[:, :-1],
+            "completion_mask": completion_mask_BxT.astype(jnp.int32)}
+
+
+def completion_log_probs(graphdef, params, batch, *, with_entropy: bool = False, chunks=None):
+    """Per-token log-probs [B, T] of the completion tokens, from one forward pass over
+    prompt + completion; with `with_entropy`, also the policy's entropy [B, T] there.
+
+    `chunks` (`vocab_chunks.Chunking`): logits only at the last T positions (TRL's
+    `logits_to_keep`), in chunks; None: the full logits, then the last T (the reference)."""
+    T = batch["completion_mask"].shape[1]
+    if chunks is not None and not _one_chunk(graphdef, params, chunks):
+        return _chunked_completion_log_probs(graphdef, params, batch, with_entropy, chunks)
+    logits_BxTxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"])[:, -T:]
+    logps_BxT = losses.token_log_probs(logits_BxTxV, batch["targets"][:, -T:])
+    if not with_entropy:
+        return logps_BxT
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    return logps_BxT, -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
+
+
+def _one_chunk(graphdef, params, chunks):
+    """Whether one chunk covers the vocabulary and the positions: then the chunked path is the
+    reference's, which projects every position before slicing (a product of another shape
+    rounds differently, and the toy presets must train bit for bit as before)."""
+    return chunks.seq_chunk is None and model_lib.output_head(graphdef, params).weight_VxD.shape[0] <= chunks.vocab_chunk
+
+
+def _chunked_completion_log_probs(graphdef, params, batch, with_entropy, chunks):
+    T = batch["completion_mask"].shape[1]
+    hidden_BxTxD = model_lib.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"])[:, -T:]
+    args = (hidden_BxTxD, model_lib.output_head(graphdef, params), batch["targets"][:, -T:], batch["completion_mask"])
+    if with_entropy:
+        return vocab_chunks.log_probs_and_entropy(*args, chunks=chunks)
+    return vocab_chunks.token_log_probs(*args, chunks=chunks)
+
+
+# ------------------------------------------------------------------ sampling, per strategy
+
+
+def make_sampler(graphdef, *, max_new_tokens: int = data.MAX_NEW_TOKENS, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, old_logps: bool = False,
+                 ref_logps: bool = False, compute_dtype="auto", eos_id: int = 2, pad_id: int = 0,
+                 parallel_mode: str = "jit", mesh=None, vocab_chunk: int | None = None,
+                 seq_chunk: int | None = None) -> Callable:
+    """`sample(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2) -> dict of host arrays`.
+
+    Samples one completion per row (row i with its own key) and returns the training
+    rows (`training_rows`), plus `old_logps` [B, T] (the sampling policy's, if asked)
+    and `ref_logps` [B, T] (the reference's, if asked), computed by the same forward
+    pass as the training step, in `compute_dtype`.
+
+    `params` and `reference` lie as `parallel_mode` keeps the state (`train.run_on_policy`
+    hands them over so): "jit" on one device; "pmap" replicated [n, ...], the rows split
+    [n, B/n, ...], each device sampling its own; "shard_map", "dp" and "fsdp" the same
+    per-device code under `jax.shard_map` on `mesh`, rows split P("data") (sampling needs
+    no collective, so the three differ only in where the state lies: under fsdp the
+    params are all-gathered before sampling). B must divide by the device count; the
+    prompts arrive as host arrays, and the result returns as host arrays, the global batch.
+    `vocab_chunk`/`seq_chunk`: the log-probs in chunks, as the objective's (`completion_log_probs`).
+    """
+    dtype = resolve_compute_dtype(compute_dtype)
+    chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
+    check_sampling(temperature, top_k, top_p)
+    decode = functools.partial(generate, graphdef, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
+
+    def on_device(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2):
+        policy = cast_floats(params, dtype)
+        out = decode(policy, prompt_BxP, prompt_mask_BxP, jax.random.wrap_key_data(key_data_Bx2))
+        rows = training_rows(prompt_BxP, prompt_mask_BxP, out.tokens, out.mask)
+        if old_logps:
+            rows["old_logps"] = completion_log_probs(graphdef, policy, rows, chunks=chunks)
+        if ref_logps:
+            rows["ref_logps"] = completion_log_probs(graphdef, cast_floats(reference, dtype), rows, chunks=chunks)
+        return jax.tree.map(lax.stop_gradient, rows)
+
+    if parallel_mode == "jit":
+        fn = jax.jit(on_device)
+    elif parallel_mode == "pmap":
+        fn = jax.pmap(on_device, axis_name=parallel.DEVICE_AXIS)
+    elif parallel_mode in parallel.MESH_MODES:
+        # Sampling needs no communication: on every mesh strategy it is per-device code
+        # (shard_map) on the device's rows, with whole params (fsdp's are all-gathered first).
+        mesh = mesh or parallel.make_mesh()
+        rows = P(parallel.MESH_AXIS)
+        fn = jax.jit(jax.shard_map(on_device, mesh=mesh, in_specs=(P(), P(), rows, rows, rows), out_specs=rows,
+                                   check_vma=False))
+    else:
+        raise ValueError(f"Unknown parallel mode {parallel_mode!r}; choose one of jit, pmap, "
+                         f"{', '.join(parallel.MESH_MODES)}.")
+
+    def sample(params, reference, prompt_BxP, prompt_mask_BxP, key_data_Bx2):
+        inputs = (np.asarray(prompt_BxP), np.asarray(prompt_mask_BxP), np.asarray(key_data_Bx2))
+        if parallel_mode == "pmap":
+            inputs = parallel.shard_batch(inputs, jax.local_device_count())
+        elif parallel_mode != "jit":
+            inputs = parallel.place_batch(inputs, mesh)
+        out = {k: np.asarray(v) for k, v in fn(params, reference, *inputs).items()}
+        if parallel_mode == "pmap":  # [n, B/n, ...] -> [B, ...]
+            out = {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
+        return out
+
+    return sample

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import jax
 
-from tunix_nb import losses, vocab_chunks
+from tunix_nb import losses, packing, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
@@ -35,18 +35,22 @@ def objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk=Non
     `vocab_chunk` (and `seq_chunk`): compute the NLL from the hidden states in chunks,
     logits only at completion positions (`tunix_nb.vocab_chunks`); None, the default,
     builds the full [B, L, V] logits, the reference path.
+    A packed batch (`tunix_nb.packing`: several examples a row, with `segment_ids` and
+    `positions`) gives the same sums as its examples unpacked: each attends to itself alone.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
     chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
 
     def sft_objective(params, batch, frozen=None):
         params = cast_floats(params, compute_dtype)
+        segments = packing.segment_keywords(batch)  # {} for plain rows
         if chunks is not None:
-            hidden_BxLxD = model_lib.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"])
+            hidden_BxLxD = model_lib.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"],
+                                                   **segments)
             nll_sum, count = vocab_chunks.sft_loss(hidden_BxLxD, model_lib.output_head(graphdef, params),
                                                    batch["targets"], batch["loss_mask"], chunks=chunks)
             return nll_sum, count, {}
-        logits_BxLxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"])
+        logits_BxLxV = model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"], **segments)
         nll_sum, count = losses.sft_loss(logits_BxLxV, batch["targets"], batch["loss_mask"])
         return nll_sum, count, {}
 

@@ -34,7 +34,7 @@ its whole prompt cut is an error naming the row, its length and the `max_length`
 For GRPO, `max_length` bounds the prompt alone (TRL's `max_prompt_length`).
 
 Arrays are padded to the longest row kept (not to `max_length`), with the keys, dtypes and
-padding sides of `data.sft_arrays`, `data.preference_arrays` and `grpo.prompt_rows`, so
+padding sides of `data.sft_arrays`, `data.preference_arrays` and `sampler.prompt_rows`, so
 `data.batch_at(arrays, step, batch_size, seed=seed)` batches them as it does the shipped
 task: a pure function of (seed, step).
 """
@@ -514,7 +514,7 @@ def _prompt_row(tokenizer, label: str, prompt) -> Row:
 
 def prompt_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *,
                   max_length: int | None = None, prompt_len: int | None = None) -> Encoded:
-    """GRPO prompts from `source`: the rows of `grpo.prompt_rows` (`prompt_tokens_NxP` and
+    """GRPO prompts from `source`: the rows of `sampler.prompt_rows` (`prompt_tokens_NxP` and
     `prompt_mask_NxP` LEFT-padded, `index_N`), and `examples`: the rows as read (`prompt` as
     in the file, every other column for the reward functions); for `grpo.make_rollout(...,
     rows=encoded.arrays)` with `examples=encoded.examples`.

@@ -24,7 +24,7 @@ compute logits a chunk at a time:
   SFT and DPO rows put the completion after prompts of different lengths, so no static
   slice fits them, and a static maximum would be one more setting that cuts answers
   when wrong. The gather needs none; GRPO, whose completions are the last T positions
-  of every row, also slices those first (`grpo.completion_log_probs`).
+  of every row, also slices those first (`sampler.completion_log_probs`).
 
 This is the idea of MaxText's vocabulary tiling (`num_vocab_tiling`), which tiles the
 tokens and recomputes each tile's logits in the backward pass, with the vocabulary
@@ -202,7 +202,7 @@ def _one_chunk_stats(h_s, head_s, targets, h_t, head_t, *, temperature, divergen
     out = {}
     if targets is not None:
         out["target_logp"] = losses.token_log_probs(logits_s, targets)
-    if divergence == "entropy":  # as grpo.completion_log_probs computes it
+    if divergence == "entropy":  # as sampler.completion_log_probs computes it
         logp = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
         out["divergence"] = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     elif divergence is not None:

@@ -1,5 +1,7 @@
 """`python -m tunix_nb.bench --only memory`: the memory plans of real models' steps, before
-and after the memory remedies, in one run; a table on stdout and DIR/memory.json."""
+and after the memory remedies, in one run; a table on stdout and DIR/bench.json's "memory"
+record, copied to DIR/memory.json, which lesson 09 reads (`fit.stored_row`)
+(`tunix_nb.bench.memory` runs it)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ TARGET_GIB = {("Qwen3-0.6B", "lora"): 6.0, ("Qwen3-0.6B", "full"): 14.0, ("Llama
 QUICK_ROWS = tuple(TARGET_GIB)
 VARIANTS = {"before": before, "after": after}
 CHUNKED = "after, chunked"  # the "after" step with chunked log-probs (vocab_chunk given): its rows' variant
+RECORD = "memory"  # the plans' key in DIR/bench.json
+COPY = "memory.json"  # the same plans in a file of their own: lesson 09 reads it (fit.RESULTS)
 
 
 def variant_label(variant: str, vocab_chunk: int | None) -> str:
@@ -52,15 +56,16 @@ def settings(base: PlanConfig, layers, vocab_chunk, seq_chunk=None) -> dict:
 def run(out_dir: Path, *, rows=ROWS, target_names=targets.TARGETS, layers=(1, 2), vocab_chunk: int | None = None,
         seq_chunk: int | None = None, variants=tuple(VARIANTS), base: PlanConfig = PlanConfig(),
         progress=print) -> dict:
-    """Plan every job, writing DIR/memory.json after each (a long run keeps what it has).
-    With `vocab_chunk` the remedied rows are "after, chunked" (`seq_chunk` too)."""
+    """Plan every job, writing the results into DIR/bench.json's "memory" record (the file's
+    other records stay as they are) and into DIR/memory.json after each (a long run keeps what
+    it has). With `vocab_chunk` the remedied rows are "after, chunked" (`seq_chunk` too)."""
+    from tunix_nb.bench.common import store
+
     missing = targets.libtpu_missing()
     skipped = [t for t in target_names if t != "cpu" and missing]
     results = {"settings": settings(base, layers, vocab_chunk, seq_chunk),
                "skipped_targets": {t: missing for t in skipped},
                "rows": []}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "memory.json"
     for model, strategy, variant, target in jobs(rows, [t for t in target_names if t not in skipped], variants):
         started = time.perf_counter()
         cfg = PlanConfig(**{**_base_fields(base), "strategy": strategy})
@@ -71,7 +76,8 @@ def run(out_dir: Path, *, rows=ROWS, target_names=targets.TARGETS, layers=(1, 2)
         target_gib = TARGET_GIB.get((model, strategy)) if target == "v5e" and variant == "after" else None
         row["target_gib"], row["meets_target"] = target_gib, None if target_gib is None else row["total_gib"] <= target_gib
         results["rows"].append(row)
-        path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+        store(out_dir, RECORD, results)
+        (Path(out_dir) / COPY).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         progress(f"{model} {strategy} {variant} {target}: {row['total_gib']:.2f} GiB "
                  f"({time.perf_counter() - started:.0f} s)")
     return results

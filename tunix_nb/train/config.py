@@ -62,6 +62,12 @@ class DataConfig:
                                     "(grpo: per prompt). A prompt that does not fit loses its beginning; the "
                                     "completion is never cut; a row whose completion alone does not fit is an "
                                     "error (default: the longest row)")
+    packing: bool = option(False, switch=True,
+                           help="sft, distill: lay each step's examples end to end in as few rows as they fit "
+                                "(tunix_nb.packing), each attending only to itself with positions restarting "
+                                "per example, so the loss is the unpacked batch's; the rows are as long as "
+                                "unpacked ones, and as many as the run's fullest step needs, rounded up to a "
+                                "multiple of the devices x --grad-accum")
 
 
 @dataclasses.dataclass(frozen=True)
