@@ -70,7 +70,7 @@ TUNIX_MODULES = ("tunix.sft.peft_trainer", "tunix.sft.dpo.dpo_trainer", "tunix.d
 METHODS = ("sft", "dpo", "distill")
 # kit step time / Tunix step time: at most these. DPO: the policy's forward and backward
 # passes are ~3 forward passes, the reference 1 more, which the cached reference skips
-TARGETS = {"sft": 1.0, "dpo": 0.75, "distill": 1.0}
+TARGETS = {"sft": 1.0, "dpo": 0.70, "distill": 1.0}  # issue 27: SFT <= 1.0 and DPO <= 0.70
 DEVICE_COUNTS = (1, 8)
 # two float32 losses from different programs (other reduction orders), relative
 LOSS_RTOL = 2e-5
