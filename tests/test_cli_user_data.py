@@ -1,5 +1,5 @@
 """The training command on your own model and data: --train-file/--eval-file in TRL's formats,
---max-length, --vocab-chunk, --export-hf and --export-adapter (issue 26's whole path, on the
+--max-length, --vocab-chunk (and its automatic default), --export-hf and --export-adapter (issue 26's whole path, on the
 tiny Qwen3 fixture), and the errors that name the fix."""
 
 from __future__ import annotations
@@ -92,11 +92,63 @@ def test_the_exported_folder_is_the_merged_model_with_the_tokenizer(lora_run):
     assert generate.complete(out / "hf", "What is 2+2?", max_new_tokens=3) is not None
 
 
+@pytest.fixture(scope="module")
+def big_vocabulary_model(tmp_path_factory):
+    """The Qwen3 fixture's architecture with a real tokenizer's vocabulary size (16,384
+    entries, more than one auto chunk): fresh weights, the fixture's tokenizer files."""
+    import dataclasses
+    import shutil
+
+    from tunix_nb import model
+
+    config = dataclasses.replace(hf.model_config(hf.read_config(QWEN3)), vocab_size=16384)
+    graphdef, params = model.split(model.make_model(config, seed=0))
+    out = tmp_path_factory.mktemp("big_vocabulary")
+    hf.save_pretrained(out, graphdef, params, config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(QWEN3) / name, out / name)
+    return str(out)
+
+
+def test_vocab_chunk_auto_chunks_a_real_vocabulary_and_keeps_the_toys_full_logits(big_vocabulary_model, capsys):
+    """--vocab-chunk's default, auto: chunks of 8192 above 8192 entries (said on stdout); the
+    presets and the fixture (259 and 320 entries) keep today's full-logits path, silently."""
+    from tunix_nb.train.config import AUTO_VOCAB_CHUNK
+
+    assert cli.config_from_argv(["sft", "--model", big_vocabulary_model]).memory.vocab_chunk == AUTO_VOCAB_CHUNK
+    assert "--vocab-chunk auto: 8192 (the vocabulary's 16,384 entries" in capsys.readouterr().out
+    for argv in (["sft", "--model", "tiny"], ["sft", "--model", QWEN3], ["distill", "--packing"]):
+        assert cli.config_from_argv(argv).memory.vocab_chunk is None
+        assert "--vocab-chunk" not in capsys.readouterr().out
+    assert cli.config_from_argv(["sft", "--model", big_vocabulary_model, "--vocab-chunk", "none"]).memory.vocab_chunk \
+        is None
+    assert cli.config_from_argv(["sft", "--model", big_vocabulary_model, "--vocab-chunk", "1000"]).memory.vocab_chunk \
+        == 1000
+    with_positions = cli.config_from_argv(["sft", "--model", "tiny", "--seq-chunk", "8"]).memory
+    assert (with_positions.vocab_chunk, with_positions.seq_chunk) == (AUTO_VOCAB_CHUNK, 8)
+
+
+def test_the_automatic_chunks_train_as_the_full_logits_do(big_vocabulary_model, chat_files, tmp_path):
+    """The command on a 16,384-entry vocabulary: the default (two chunks of 8192) and
+    --vocab-chunk none give the same losses and gradient norms, step by step."""
+    metrics = {}
+    for name, extra in (("auto", []), ("none", ["--vocab-chunk", "none"])):
+        argv = ["sft", "--model", big_vocabulary_model, "--train-file", chat_files[0], "--max-length", 40,
+                "--steps", 3, "--batch-size", 8, "--learning-rate", "1e-2", "--compute-dtype", "float32",
+                "--metrics-file", tmp_path / f"{name}.jsonl", *extra]
+        assert _run(argv) == 0
+        metrics[name] = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    for chunked, full in zip(metrics["auto"], metrics["none"], strict=True):
+        np.testing.assert_allclose(chunked["loss"], full["loss"], rtol=1e-5)
+        np.testing.assert_allclose(chunked["grad_norm"], full["grad_norm"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--eval-file", "x.jsonl"], "--eval-file goes with --train-file"),
     (["--max-length", "8"], "--max-length applies to --train-file"),
     (["--export-adapter", "out"], "--export-adapter writes LoRA adapters"),
-    (["--seq-chunk", "8"], "--seq-chunk needs --vocab-chunk"),
+    (["--vocab-chunk", "none", "--seq-chunk", "8"], "--seq-chunk needs the chunked path"),
+    (["--vocab-chunk", "big"], "give a number of vocabulary entries such as 8192, auto or none"),
     (["--export-dtype", "bfloat16"], "add --export-hf"),
 ])
 def test_flag_combinations_are_refused_with_the_fix(extra, message, capsys):

@@ -228,6 +228,24 @@ def test_chunked_sft_reads_packed_batches_too(tiny, examples, packed):
     _assert_same_grads(ref[3], got[3])
 
 
+@pytest.mark.parametrize("beta,alpha", [(0.0, 0.3), (0.5, 0.3), (1.0, 0.0)])
+def test_chunked_packed_distillation_equals_the_unpacked_full_logits(tiny, examples, beta, alpha):
+    """packing.distill_objective's chunked path (vocab_chunks, both models' hidden states) on
+    packed rows: the unpacked full-logits loss sum, metrics and gradients (alpha 0: no teacher)."""
+    graphdef, params = tiny
+    teacher_graphdef, teacher_params = M.split(M.make_model("tiny", seed=1, d_model=48))
+    kwargs = dict(temperature=2.0, alpha=alpha, beta=beta, compute_dtype="float32")
+    ref = _value_and_grad(distill.objective(graphdef, teacher_graphdef, **kwargs), params, examples, teacher_params)
+    batch = P.pack(examples, P.PackingConfig(max_length=MAX_LEN))[0]
+    chunked = P.distill_objective(graphdef, teacher_graphdef, vocab_chunk=64, seq_chunk=8, **kwargs)  # 5 chunks
+    got = _value_and_grad(chunked, params, batch, teacher_params)
+    assert float(got[1]) == float(ref[1]) == len(examples["inputs"])
+    np.testing.assert_allclose(got[0], ref[0], rtol=SUM_RTOL)
+    for name, (total, count) in got[2].items():
+        np.testing.assert_allclose(total / count, ref[2][name], rtol=SUM_RTOL)
+    _assert_same_grads(ref[3], got[3])
+
+
 def test_rows_needed_is_the_fullest_steps_row_count(examples):
     """The static row count a run's steps share (PackingConfig.num_rows), from lengths alone."""
     cfg = P.PackingConfig(max_length=MAX_LEN)

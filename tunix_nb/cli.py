@@ -225,8 +225,8 @@ def _check_data_and_export_flags(args) -> None:
                         "--train-file use offline distillation (--lmbda 0, no --seq-kd)")
     _check_packing_flags(args)
     if args.seq_chunk is not None and args.vocab_chunk is None:
-        raise FlagError("--seq-chunk needs --vocab-chunk (the positions are taken in chunks within the "
-                        "vocabulary-chunked path)")
+        raise FlagError("--seq-chunk needs the chunked path (the positions are taken in chunks within it): drop "
+                        "--vocab-chunk none, or give --vocab-chunk N")
     if args.export_adapter and getattr(args, "lora_rank", None) is None:
         raise FlagError("--export-adapter writes LoRA adapters: add --lora-rank (or use --export-hf for the "
                         "whole model)")
@@ -246,9 +246,6 @@ def _check_packing_flags(args) -> None:
     if args.command == "distill" and (args.lmbda or args.seq_kd):
         raise FlagError("--packing packs the dataset's examples; on-policy distillation (--lmbda, --seq-kd) trains "
                         "on rows it samples, unpacked: drop --packing or the on-policy flags")
-    if args.command == "distill" and args.vocab_chunk is not None:
-        raise FlagError("distill --packing computes full logits (packing.distill_objective has no chunked path): "
-                        "drop --vocab-chunk/--seq-chunk or --packing")
 
 
 def _check_process_flags(args) -> None:
@@ -370,11 +367,26 @@ def resolve_config(args) -> RunConfig:
     except ValueError as err:
         raise FlagError(str(err))
     data_config = config_flags.from_args(DataConfig, args)
+    memory, chose = config_flags.from_args(MemoryConfig, args).resolved(vocab_size_of(model_name, model_dir))
+    if chose:
+        print(f"--vocab-chunk auto: {chose}")
     return RunConfig(command=args.command, model=model_name, training=training, method=method,
                      source=config_flags.from_args(ModelSourceConfig, args, model=args.model),
                      lora=lora_config, gkd=gkd_config, model_dir=model_dir and str(model_dir),
                      model_sha256=model_sha256, data=data_config, data_sha256=data_hash(data_config.train_file),
-                     memory=config_flags.from_args(MemoryConfig, args))
+                     memory=memory)
+
+
+def vocab_size_of(model_name: str, model_dir: str | None) -> int:
+    """The vocabulary size of --model: a preset's, or a Hugging Face folder's config.json."""
+    from tunix_nb import hf, model
+
+    if model_dir is None:
+        return model.PRESETS[model_name].vocab_size
+    try:
+        return hf.model_config(hf.read_config(model_dir)).vocab_size
+    except hf.CheckpointError as err:
+        raise FlagError(f"--model {model_dir}: {err}")
 
 
 def data_hash(train_file: str | None) -> str | None:
@@ -735,7 +747,8 @@ def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Me
     if config.data.packing:  # per-example means taken per segment; the eval rows stay unpacked
         from tunix_nb import packing
 
-        packed = packing.distill_objective(graphdef, teacher_graphdef, beta=options.beta or 0.0, compute_dtype=dtype)
+        packed = packing.distill_objective(graphdef, teacher_graphdef, beta=options.beta or 0.0, compute_dtype=dtype,
+                                           **chunks_of(config))
         return Method(graphdef, params, rows, packed, frozen=teacher_params, eval_rows=eval_rows,
                       eval_objective=objective)
     if not (sampling.lmbda or sampling.seq_kd):  # offline: the dataset's answers
@@ -753,8 +766,12 @@ def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Me
 
 
 def chunks_of(config: RunConfig) -> dict:
-    """--vocab-chunk / --seq-chunk as the objectives' keywords (tunix_nb.vocab_chunks)."""
-    return {"vocab_chunk": config.memory.vocab_chunk, "seq_chunk": config.memory.seq_chunk}
+    """--vocab-chunk / --seq-chunk as the objectives' keywords (tunix_nb.vocab_chunks); a
+    RunConfig built without the command, whose vocab_chunk is still "auto", gets it resolved here."""
+    memory = config.memory
+    if memory.vocab_chunk == "auto":
+        memory, _ = memory.resolved(vocab_size_of(config.model, config.model_dir))
+    return {"vocab_chunk": memory.vocab_chunk, "seq_chunk": memory.seq_chunk}
 
 
 def make_reward_set(options: grpo.GRPOConfig, examples):

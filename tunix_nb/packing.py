@@ -29,13 +29,14 @@ on `synthetic_examples` (`tunix_nb.bench.packing`): results/bench.json's "packin
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_nb import data, losses
+from tunix_nb import data, losses, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
@@ -299,28 +300,28 @@ def per_token_divergence(student_logits_BxLxV, teacher_logits_BxLxV, *, temperat
 
 
 def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, alpha=0.5, beta=0.0,
-                      compute_dtype="auto"):
+                      compute_dtype="auto", vocab_chunk=None, seq_chunk=None):
     """`distill.objective` on packed batches: (sum of per-example losses, examples, metrics).
 
     Student and teacher both run on the packed rows. Each example's loss is
     alpha * soft + (1 - alpha) * hard, both means over its own masked tokens
     (`segment_means`), as `losses.distillation_loss` computes them row by row. Metrics are
     (sum, count) pairs, exact however the examples fall across devices. GKD's on-policy
-    rows (`own_sample`) are not packed.
+    rows (`own_sample`) are not packed. `vocab_chunk` (and `seq_chunk`): both models'
+    per-position terms from their hidden states in chunks (`tunix_nb.vocab_chunks`), no
+    [R, L, V] logits; None, the default, is the full-logits reference.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
+    per_position = _chunked_terms if vocab_chunks.chunking(vocab_chunk, seq_chunk) else _full_terms
+    terms = functools.partial(per_position, student_graphdef, teacher_graphdef, temperature=temperature,
+                              beta=beta, skip_teacher=alpha == 0.0,
+                              chunks=vocab_chunks.chunking(vocab_chunk, seq_chunk))
 
     def packed_distill_objective(params, batch, teacher_params):
         if "own_sample" in batch:
             raise ValueError("packed distillation has no per-row `own_sample` (GKD); train GKD on unpacked rows.")
-        student_RxLxV = apply_packed(student_graphdef, cast_floats(params, compute_dtype), batch)
-        if alpha == 0.0:  # hard labels only: no soft term, skip the teacher (as distill.objective does)
-            teacher_RxLxV = jax.lax.stop_gradient(student_RxLxV)
-        else:
-            teacher_RxLxV = jax.lax.stop_gradient(
-                apply_packed(teacher_graphdef, cast_floats(teacher_params, compute_dtype), batch))
-        soft_RxL = per_token_divergence(student_RxLxV, teacher_RxLxV, temperature=temperature, beta=beta)
-        hard_RxL = -losses.token_log_probs(student_RxLxV, batch["targets"])
+        soft_RxL, hard_RxL = terms(cast_floats(params, compute_dtype), cast_floats(teacher_params, compute_dtype),
+                                   batch)
         mask, segments = batch["loss_mask"], batch["segment_ids"]
         soft_sum, n = segment_means(soft_RxL, mask, segments)
         hard_sum, _ = segment_means(hard_RxL, mask, segments)
@@ -328,6 +329,36 @@ def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, al
         return loss_sum, n, {"distill/soft_loss": (soft_sum, n), "distill/hard_loss": (hard_sum, n)}
 
     return packed_distill_objective
+
+
+def _full_terms(student_graphdef, teacher_graphdef, params, teacher_params, batch, *, temperature, beta,
+                skip_teacher, chunks=None):
+    """(soft [R, L], hard [R, L]) per position from both models' full logits."""
+    student_RxLxV = apply_packed(student_graphdef, params, batch)
+    if skip_teacher:  # hard labels only: no soft term, skip the teacher (as distill.objective does)
+        teacher_RxLxV = jax.lax.stop_gradient(student_RxLxV)
+    else:
+        teacher_RxLxV = jax.lax.stop_gradient(apply_packed(teacher_graphdef, teacher_params, batch))
+    soft_RxL = per_token_divergence(student_RxLxV, teacher_RxLxV, temperature=temperature, beta=beta)
+    return soft_RxL, -losses.token_log_probs(student_RxLxV, batch["targets"])
+
+
+def _chunked_terms(student_graphdef, teacher_graphdef, params, teacher_params, batch, *, temperature, beta,
+                   skip_teacher, chunks):
+    """The same terms from hidden states, a chunk of the vocabulary at a time (`vocab_chunks`)."""
+    def hidden_and_head(graphdef, p):
+        hidden_RxLxD = model_lib.hidden_states(graphdef, p, batch["inputs"], batch["attention_mask"],
+                                               **segment_keywords(batch))
+        return hidden_RxLxD, model_lib.output_head(graphdef, p)
+
+    hidden, head = hidden_and_head(student_graphdef, params)
+    teacher_hidden, teacher_head = (hidden, head) if skip_teacher else hidden_and_head(teacher_graphdef,
+                                                                                       teacher_params)
+    kind = "kl" if beta == 0.0 else "rkl" if beta == 1.0 else "jsd"
+    out = vocab_chunks.per_position(hidden, head, batch["targets"], batch["loss_mask"], chunks=chunks,
+                                    temperature=temperature, divergence=kind, beta=beta,
+                                    teacher_hidden_BxLxD=teacher_hidden, teacher_head=teacher_head)
+    return temperature**2 * out["divergence"], -out["target_logp"]
 
 
 # ---------------------------------------------------------------- a skewed batch

@@ -70,17 +70,55 @@ class DataConfig:
                                 "multiple of the devices x --grad-accum")
 
 
+AUTO_VOCAB_CHUNK = 8192  # --vocab-chunk auto's chunk for a vocabulary larger than it (issue 27's memory rows)
+
+
+def auto_vocab_chunk(vocab_size: int) -> int | None:
+    """--vocab-chunk auto's choice: AUTO_VOCAB_CHUNK for a vocabulary larger than it (a real
+    tokenizer's), None (the full logits, today's path) for the presets' 259 entries."""
+    return AUTO_VOCAB_CHUNK if vocab_size > AUTO_VOCAB_CHUNK else None
+
+
+def _vocab_chunk(text: str) -> int | str | None:
+    """--vocab-chunk: "auto", "none" (None: the full logits) or a positive number of entries."""
+    import argparse
+
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}; give a number of vocabulary entries such as 8192, auto or none")
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
     """How the step spends memory on the vocabulary (tunix_nb.vocab_chunks): the same loss."""
 
-    vocab_chunk: int | None = option(type=positive_int, run_defining=False,
-                                     help="compute log-probs from the hidden states in chunks of this many "
-                                          "vocabulary entries, forward and backward, with logits only at the "
-                                          "positions the loss reads: no [batch, length, vocab] array "
-                                          "(default: the full logits)")
+    vocab_chunk: int | str | None = option("auto", type=_vocab_chunk, run_defining=False, metavar="N|auto|none",
+                                           help="compute log-probs from the hidden states in chunks of N "
+                                                "vocabulary entries, forward and backward, with logits only at "
+                                                "the positions the loss reads: no [batch, length, vocab] array. "
+                                                f"auto: chunks of {AUTO_VOCAB_CHUNK} when the model's "
+                                                f"vocabulary is larger than {AUTO_VOCAB_CHUNK} (a real "
+                                                "tokenizer's), else the full logits (the presets' 259 entries); "
+                                                "none: always the full logits, the reference path")
     seq_chunk: int | None = option(type=positive_int, run_defining=False,
-                                   help="with --vocab-chunk: also take the loss positions this many at a time")
+                                   help="with the chunked path: also take the loss positions this many at a time")
+
+    def resolved(self, vocab_size: int) -> tuple[MemoryConfig, str | None]:
+        """(this config with vocab_chunk "auto" made a number or None for a model with
+        `vocab_size` entries, what auto chose and why; None when nothing was automatic)."""
+        if self.vocab_chunk != "auto":
+            return self, None
+        if auto_vocab_chunk(vocab_size) is not None:
+            why = (f"the vocabulary's {vocab_size:,} entries would make [batch, length, {vocab_size}] float32 "
+                   "logits; --vocab-chunk none keeps them")
+        elif self.seq_chunk is not None:
+            why = f"--seq-chunk takes the chunked path; the vocabulary's {vocab_size} entries fit one chunk"
+        else:
+            return dataclasses.replace(self, vocab_chunk=None), None  # the toy presets: today's path, unchanged
+        return dataclasses.replace(self, vocab_chunk=AUTO_VOCAB_CHUNK), f"{AUTO_VOCAB_CHUNK} ({why})"
 
 
 @dataclasses.dataclass(frozen=True)
