@@ -205,14 +205,15 @@ def test_packing_group_writes_its_record_beside_the_figures(tmp_path):
 
 
 def test_memory_group_keeps_the_stored_plans_when_every_target_is_skipped(tmp_path):
-    """--quick --only memory plans on one v5e chip only: without libtpu there is nothing to
-    compile, and bench.json is left as it was (its "memory" record too)."""
+    """--only memory --targets v5e,v5e-8 plans on TPUs only: without libtpu there is nothing
+    to compile, and bench.json is left as it was (its "memory" record too)."""
     from tunix_nb import memory_plan
 
     if memory_plan.libtpu_missing() is None:
         pytest.skip("libtpu is installed: --quick would compile three real models' steps for minutes")
-    run, stored = _alone("memory", tmp_path, "--quick", timeout=120)
-    assert "memory" not in stored and "v5e: skipped" in run.stdout and "is unchanged" in run.stdout
+    run, stored = _alone("memory", tmp_path, "--quick", "--targets", "v5e,v5e-8", timeout=120)
+    assert "memory" not in stored and "is unchanged" in run.stdout
+    assert "v5e: skipped" in run.stdout and "v5e-8: skipped" in run.stdout
 
 
 def test_tunix_group_is_the_tunix_comparison(tmp_path):

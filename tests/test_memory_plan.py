@@ -51,9 +51,9 @@ def test_the_report_writes_its_rows_into_the_bench_record_and_prints_a_table(tin
     assert json.loads((out / "bench.json").read_text()) == {"memory": results}
     assert json.loads((out / "memory.json").read_text()) == results  # lesson 09's copy
     assert [(r["variant"], r["extrapolated"], r["n_layers"]) for r in results["rows"]] == [
-        ("before", False, 1), ("after", False, 1)]
+        ("before", False, 1), ("after", False, 1), (report.CHUNKED, False, 1)]
     text = report.table(results)
-    assert text.count(" cpu ") == 2 and "before" in text and "after" in text
+    assert text.count(" cpu ") == 3 and "before" in text and "after" in text and report.CHUNKED in text
 
 
 def test_the_cpu_analysis_reports_every_field_and_the_inputs(cpu_before_after):
@@ -197,6 +197,55 @@ def test_extrapolation_is_linear_in_depth():
     full = memory_plan.extrapolate(by_layers, 28)
     assert full["temp_bytes"] == 10 + 27 * 3 and full["argument_bytes"] == 100 + 27 * 50
     assert full["per_layer"] == {"temp_bytes": 3, "argument_bytes": 50}
+    # a third, deeper compile: the line runs through the two deepest (1 layer's odd schedule left out)
+    deeper = {**by_layers, 1: {"temp_bytes": 99, "argument_bytes": 100, "input_bytes": {"params": 1}},
+              4: {"temp_bytes": 19, "argument_bytes": 250, "input_bytes": {"params": 1}}}
+    full = memory_plan.extrapolate(deeper, 28)
+    assert full["temp_bytes"] == 19 + 24 * 3 and full["argument_bytes"] == 250 + 24 * 50
+
+
+def test_layers_none_compiles_the_full_depth_itself():
+    two_layers = hf.hf_config_for(model.get_config("tiny", n_layers=2), dtype="float32")
+    row = memory_plan.plan(two_layers, memory_plan.after(TINY_PLAN), "cpu", layers=None)
+    assert (row["n_layers"], row["extrapolated"], list(row["compiled"])) == (2, False, ["2"])
+    assert row["full_depth"]["total_bytes"] == row["compiled"]["2"]["total_bytes"]
+
+
+def test_a_full_depth_the_chip_refuses_is_extrapolated_and_the_refusal_kept(monkeypatch):
+    """The TPU compiler refuses a program whose temporaries exceed the chip's HBM: that row
+    falls back to compiles at REFUSED_LAYERS and says why."""
+    eight_layers = hf.hf_config_for(model.get_config("tiny", n_layers=8), dtype="float32")
+    compile_for = plan_lib.analyse
+    refusal = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(42.92G) exceeds available HBM (15.75G).")
+
+    def analyse(hf_config, cfg, target):
+        if cfg.n_layers == 8:
+            raise jax.errors.JaxRuntimeError(refusal)
+        return compile_for(hf_config, cfg, target)
+
+    monkeypatch.setattr(plan_lib, "analyse", analyse)
+    row = memory_plan.plan(eight_layers, memory_plan.after(TINY_PLAN), "cpu", layers=None)
+    assert row["refused_at_full_depth"] == refusal
+    assert (row["extrapolated"], sorted(row["compiled"])) == (True, [str(n) for n in plan_lib.REFUSED_LAYERS])
+    line = memory_plan.extrapolate({n: row["compiled"][str(n)] for n in (2, 4)}, 8)
+    # the temporaries are the compiler's own figure for the refused program; the rest is the line's
+    assert row["full_depth"]["temp_bytes"] == 42.92 * 2**30 and "peak_bytes" not in row["full_depth"]
+    assert row["full_depth"]["total_bytes"] == (line["argument_bytes"] + line["output_bytes"] + 42.92 * 2**30
+                                                - line["alias_bytes"])
+    assert all(row["full_depth"][k] == line[k] for k in ("argument_bytes", "output_bytes", "alias_bytes"))
+
+
+def test_the_memory_group_refuses_an_unknown_target(tmp_path, capsys):
+    import argparse
+
+    from tunix_nb.bench import memory as memory_group
+
+    options = argparse.Namespace(targets="cpu,tpu-v9", full_depth=False, vocab_chunk=8192, seq_chunk=256,
+                                 command_line="python -m tunix_nb.bench --only memory --targets cpu,tpu-v9")
+    assert memory_group.run_alone(tmp_path, quick=True, options=options) == 2
+    assert "--targets cpu,tpu-v9: choose from cpu, v5e, v5e-8" in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()
 
 
 @pytest.mark.parametrize("field, value", [("strategy", "dora"), ("base_dtype", "float16"), ("batch_size", 0),
@@ -263,7 +312,7 @@ def test_the_stored_chunked_rows_hold_no_float32_logits():
     results = stored_plans()
     chunked = [r for r in results["rows"] if r["variant"] == report.CHUNKED]
     assert {(r["model"], r["strategy"]) for r in chunked if r["target"] == "v5e"} == set(report.QUICK_ROWS)
-    assert "command" in results["settings"][report.CHUNKED]
+    assert results["settings"]["command"].startswith("python -m tunix_nb.bench --only memory")
     for row in chunked:
         for compiled in row["compiled"].values():
             assert compiled["vocab_chunk_used"] == row["config"]["vocab_chunk"]

@@ -560,12 +560,8 @@ BENCHMARK_FIGURES = on(BENCHMARKS, [
     # ------------------------------------------------------------ the memory plan's settings
     memory("memory plan batch", "at batch × length {} × {n} with", ("settings", "batch_size")),
     memory("memory plan length", "at batch × length {n} × {} with", ("settings", "seq_len")),
-    memory("memory plan first depth", "from compiles at {} and {n} layers", ("settings", "layers_compiled", 0)),
-    memory("memory plan second depth", "from compiles at {n} and {} layers", ("settings", "layers_compiled", 1)),
-    memory("memory plan vocab chunk", "`--vocab-chunk {} --seq-chunk {n}`",
-           ("settings", "after, chunked", "vocab_chunk")),
-    memory("memory plan seq chunk", "`--vocab-chunk {n} --seq-chunk {}`",
-           ("settings", "after, chunked", "seq_chunk")),
+    memory("memory plan vocab chunk", "`--vocab-chunk {} --seq-chunk {n}`", ("settings", "vocab_chunk")),
+    memory("memory plan seq chunk", "`--vocab-chunk {n} --seq-chunk {}`", ("settings", "seq_chunk")),
 ])
 
 LAYOUT_FIGURES = on(LAYOUT, [

@@ -15,13 +15,20 @@ from pathlib import Path
 
 
 def run_alone(out_dir: Path, *, quick: bool, options) -> int:
-    """--quick plans the three rows with targets on one v5e chip only; --vocab-chunk and
-    --seq-chunk make the remedied rows "after, chunked"."""
+    """--quick plans the three rows with targets (report.QUICK_ROWS) instead of all six;
+    --targets picks the targets, --full-depth compiles every row at full depth, and
+    --vocab-chunk / --seq-chunk set the "after, chunked" rows' chunks."""
     from tunix_nb.memory_plan import report
 
-    rows, target_names = (report.QUICK_ROWS, ("v5e",)) if quick else (report.ROWS, report.targets.TARGETS)
-    results = report.run(out_dir, rows=rows, target_names=target_names, vocab_chunk=options.vocab_chunk,
-                         seq_chunk=options.seq_chunk, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    target_names = tuple(t.strip() for t in options.targets.split(",") if t.strip())
+    unknown = sorted(set(target_names) - set(report.targets.TARGETS))
+    if unknown or not target_names:
+        print(f"--targets {options.targets}: choose from {', '.join(report.targets.TARGETS)}", file=sys.stderr)
+        return 2
+    results = report.run(out_dir, rows=report.QUICK_ROWS if quick else report.ROWS, target_names=target_names,
+                         layers=None if options.full_depth else (1, 2), vocab_chunk=options.vocab_chunk,
+                         seq_chunk=options.seq_chunk, command=options.command_line,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table(results))
     if results["rows"]:
         print(f"Wrote {Path(out_dir) / 'bench.json'} (its \"{report.RECORD}\" record) and the same plans to "

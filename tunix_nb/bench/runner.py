@@ -82,11 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"simulated CPU devices (CPU only; default {DEFAULT_DEVICES}, packing 1)")
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timed rounds per figure (default 10, with --quick 3)")
-    parser.add_argument("--vocab-chunk", type=int, default=None,
-                        help="memory: the vocabulary chunk of the remedied step's log-probs (where the objective "
-                             "takes one)")
-    parser.add_argument("--seq-chunk", type=int, default=None,
-                        help="memory: positions per row at a time on the chunked path (needs --vocab-chunk)")
+    parser.add_argument("--vocab-chunk", type=positive_int, default=8192,
+                        help="memory: the vocabulary chunk of the 'after, chunked' rows' log-probs (default 8192, "
+                             "the training command's --vocab-chunk auto)")
+    parser.add_argument("--seq-chunk", type=positive_int, default=256,
+                        help="memory: positions per row at a time on the chunked path (default 256)")
+    parser.add_argument("--full-depth", action="store_true",
+                        help="memory: compile every row at the model's full depth (minutes a row on a CPU) "
+                             "instead of extrapolating from 1 and 2 layers")
+    parser.add_argument("--targets", default="cpu,v5e,v5e-8",
+                        help="memory: the targets to plan for, comma-separated from cpu, v5e (one chip) and v5e-8 "
+                             "(per chip, fsdp)")
     return parser
 
 

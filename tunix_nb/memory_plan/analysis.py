@@ -167,22 +167,57 @@ def analyse(model, cfg: PlanConfig, target: str = "cpu") -> dict:
                                              heads=model_cfg.n_heads)}
 
 
+# the depths a row that the TPU compiler refuses at full depth is extrapolated from
+REFUSED_LAYERS = (2, 4)
+
+
 def extrapolate(by_layers: dict, n_layers: int) -> dict:
-    """Each byte field at `n_layers`, linear in the depth through the two smallest
-    depths compiled (each block adds the same buffers): {field: bytes}, plus per_layer."""
-    (l1, a), (l2, b) = sorted(by_layers.items())[:2]
+    """Each byte field at `n_layers`, linear in the depth through the two deepest depths
+    compiled (each block adds the same buffers; the deepest are the least disturbed by what
+    XLA schedules around the first block): {field: bytes}, plus per_layer."""
+    (l1, a), (l2, b) = sorted(by_layers.items())[-2:]
     keys = [k for k in a if k.endswith("_bytes") and isinstance(a[k], (int, float))]
     per_layer = {k: (b[k] - a[k]) / (l2 - l1) for k in keys}
     return {**{k: a[k] + (n_layers - l1) * per_layer[k] for k in keys}, "per_layer": per_layer}
 
 
+REFUSAL = re.compile(r"memory required for HLO temporaries \((\d+(?:\.\d+)?)([KMGT])\)")
+
+
+def with_refused_temporaries(full: dict, refusal: str) -> dict:
+    """`full` (extrapolated) with the temporaries the TPU compiler said the full-depth program
+    needs when it refused it (its "G" is GiB, to two decimals): the line through shallow
+    compiles misses how the deep program's live ranges grow. Arguments, outputs and
+    aliasing stay extrapolated (they are linear in depth: the parameters' bytes); the
+    compiler's peak is unknown for a program it did not build, so it is left out."""
+    found = REFUSAL.search(refusal)
+    if found is None:
+        return full
+    temp_bytes = float(found.group(1)) * 2 ** (10 * "KMGT".index(found.group(2)) + 10)
+    total = full["argument_bytes"] + full["output_bytes"] + temp_bytes - full["alias_bytes"]
+    kept = {k: v for k, v in full.items() if k != "peak_bytes"}
+    return {**kept, "temp_bytes": temp_bytes, "total_bytes": total, "temp_bytes_from": "the compiler's refusal"}
+
+
 def plan(model, cfg: PlanConfig, target: str = "cpu", *, layers=(1, 2)) -> dict:
     """The step's memory at the model's full depth: compiled at `layers` and extrapolated
-    linearly when the full depth is not among them (the result says which)."""
+    linearly when the full depth is not among them (the result says which); `layers=None`
+    compiles the full depth itself (minutes for a real model on a CPU). A TPU compiler
+    refuses a program whose temporaries exceed the chip's memory: such a row is then
+    extrapolated from REFUSED_LAYERS, with the refusal kept as "refused_at_full_depth"."""
     hf_config = read_model_config(model)
     depth = cfg.n_layers or hf.model_config(hf_config).n_layers
-    by_layers = {n: analyse(hf_config, dataclasses.replace(cfg, n_layers=n), target)
-                 for n in sorted(set(min(n, depth) for n in layers))}
+    refused, by_layers = None, None
+    if layers is None:
+        try:
+            by_layers = {depth: analyse(hf_config, dataclasses.replace(cfg, n_layers=depth), target)}
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            refused, layers = str(err).splitlines()[0], REFUSED_LAYERS
+    if by_layers is None:
+        by_layers = {n: analyse(hf_config, dataclasses.replace(cfg, n_layers=n), target)
+                     for n in sorted(set(min(n, depth) for n in layers))}
     if depth in by_layers:
         full = {k: v for k, v in by_layers[depth].items() if k.endswith("_bytes") and isinstance(v, int)}
         extrapolated = False
@@ -190,5 +225,8 @@ def plan(model, cfg: PlanConfig, target: str = "cpu", *, layers=(1, 2)) -> dict:
         if len(by_layers) < 2:
             raise ValueError(f"layers={layers}: extrapolating to {depth} layers needs two depths.")
         full, extrapolated = extrapolate(by_layers, depth), True
-    return {"config": dataclasses.asdict(cfg), "target": target, "n_layers": depth, "extrapolated": extrapolated,
-            "full_depth": full, "compiled": {str(n): v for n, v in by_layers.items()}}
+    if refused is not None:
+        full = with_refused_temporaries(full, refused)
+    row = {"config": dataclasses.asdict(cfg), "target": target, "n_layers": depth, "extrapolated": extrapolated,
+           "full_depth": full, "compiled": {str(n): v for n, v in by_layers.items()}}
+    return row if refused is None else {**row, "refused_at_full_depth": refused}
