@@ -312,10 +312,9 @@ def distill_objective(student_graphdef, teacher_graphdef, *, temperature=2.0, al
     [R, L, V] logits; None, the default, is the full-logits reference.
     """
     compute_dtype = resolve_compute_dtype(compute_dtype)
-    per_position = _chunked_terms if vocab_chunks.chunking(vocab_chunk, seq_chunk) else _full_terms
-    terms = functools.partial(per_position, student_graphdef, teacher_graphdef, temperature=temperature,
-                              beta=beta, skip_teacher=alpha == 0.0,
-                              chunks=vocab_chunks.chunking(vocab_chunk, seq_chunk))
+    chunks = vocab_chunks.chunking(vocab_chunk, seq_chunk)
+    terms = functools.partial(_full_terms if chunks is None else _chunked_terms, student_graphdef, teacher_graphdef,
+                              temperature=temperature, beta=beta, skip_teacher=alpha == 0.0, chunks=chunks)
 
     def packed_distill_objective(params, batch, teacher_params):
         if "own_sample" in batch:
@@ -354,9 +353,8 @@ def _chunked_terms(student_graphdef, teacher_graphdef, params, teacher_params, b
     hidden, head = hidden_and_head(student_graphdef, params)
     teacher_hidden, teacher_head = (hidden, head) if skip_teacher else hidden_and_head(teacher_graphdef,
                                                                                        teacher_params)
-    kind = "kl" if beta == 0.0 else "rkl" if beta == 1.0 else "jsd"
     out = vocab_chunks.per_position(hidden, head, batch["targets"], batch["loss_mask"], chunks=chunks,
-                                    temperature=temperature, divergence=kind, beta=beta,
+                                    temperature=temperature, divergence=vocab_chunks.divergence_for(beta), beta=beta,
                                     teacher_hidden_BxLxD=teacher_hidden, teacher_head=teacher_head)
     return temperature**2 * out["divergence"], -out["target_logp"]
 

@@ -335,6 +335,11 @@ def log_probs_and_entropy(hidden_BxLxD, head, targets_BxL, mask_BxL, *, chunks: 
     return out["target_logp"], out["divergence"]
 
 
+def divergence_for(beta: float) -> str:
+    """`per_position`'s divergence for the generalized JSD's `beta`: 0 forward KL, 1 reverse KL."""
+    return "kl" if beta == 0.0 else "rkl" if beta == 1.0 else "jsd"
+
+
 def distillation_loss(student_hidden_BxLxD, student_head, teacher_hidden_BxLxD, teacher_head, targets_BxL,
                       mask_BxL, *, chunks: Chunking, temperature=2.0, alpha=0.5, beta=0.0, alpha_B=None):
     """(loss, metrics) as `losses.distillation_loss`, from both models' hidden states and heads.
@@ -346,9 +351,9 @@ def distillation_loss(student_hidden_BxLxD, student_head, teacher_hidden_BxLxD, 
     """
     if not isinstance(beta, numbers.Real) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a Python float in [0, 1] (0: forward KL, 1: reverse KL), got {beta!r}")
-    kind = "kl" if beta == 0.0 else "rkl" if beta == 1.0 else "jsd"
     out = per_position(student_hidden_BxLxD, student_head, targets_BxL, mask_BxL, chunks=chunks,
-                       temperature=temperature, divergence=kind, beta=beta, teacher_hidden_BxLxD=teacher_hidden_BxLxD,
+                       temperature=temperature, divergence=divergence_for(beta), beta=beta,
+                       teacher_hidden_BxLxD=teacher_hidden_BxLxD,
                        teacher_head=teacher_head)
 
     def soft_and_hard(divergence_L, logp_L, mask_L):  # losses._soft_and_hard_per_example's reductions
