@@ -143,24 +143,21 @@ def test_lesson08_temperatures_were_chosen_on_validation(lesson08):
             assert run["best_temperature"] == float(max(scores, key=scores.get))
 
 
-@pytest.mark.xfail(strict=True, reason="missed: pass@8 is 19.2 points above greedy, not 20 (pass@1 35.2% is inside "
-                   "30-70%); no checkpoint of the student's recipe between steps 240 and 400 met both parts "
-                   "(data/README.md)")
 def test_lesson08_the_student_passes_the_pilot_gate(lesson08):
     gate = lesson08[0]["setup"]["gate"]
     assert 0.30 <= gate["pass_at_1"] <= 0.70
     assert gate["pass_at_8"] - gate["greedy"] >= 0.20
 
 
-@pytest.mark.xfail(strict=True, reason="missed: on-policy - offline edit similarity on the longest third is -0.0032 "
-                   "(95% interval -0.0088 to +0.0023) over 5 seeds; on-policy training lowers the share of errors the "
-                   "student's own prefix causes, but raises its errors after the right prefix as much (lesson 11)")
+@pytest.mark.xfail(strict=True, reason="missed: on-policy - offline edit similarity on the longest third is -0.0002 "
+                   "(95% interval -0.0072 to +0.0070) over 5 seeds; on-policy training lowers the share of errors the "
+                   "student's own prefix causes, but raises its errors after the right prefix more (lesson 11)")
 def test_lesson11_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(lesson11):
     gain = lesson11[1]["on_policy_over_offline_longest_third"]
     assert gain["mean"] > 0 and gain["ci95"][0] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="missed: the share falls from 57% (offline) to 43% (on-policy), "
+@pytest.mark.xfail(strict=True, reason="missed: the share falls from 59% (offline) to 45% (on-policy), "
                    "lower on every seed but not half")
 def test_lesson11_on_policy_halves_the_share_of_errors_its_own_prefix_causes(lesson11):
     share = lesson11[1]["own_prefix_share_longest_third"]
@@ -208,12 +205,14 @@ def test_lesson11_pilots_were_scored_on_validation_with_their_command_and_are_wh
         "command"], f"{path.name} should store the command that made it"
     found = gkd_long_answers.summarise(pilot)
     assert_same_summary(found, pilot["summary"])
-    # lesson 11: every variant lowered the own-prefix share, none beat offline (interval over zero, mean below)
+    # lesson 11: every variant lowered the own-prefix share, none beat offline (its interval covers zero)
     shares = found["own_prefix_share_longest_third"]
     assert shares["on_policy"]["mean"] < shares["offline"]["mean"]
     gain = found["on_policy_over_offline_longest_third"]
-    assert gain["ci95"][0] < 0 < gain["ci95"][1] and gain["mean"] < 0
+    assert gain["ci95"][0] < 0 < gain["ci95"][1]
+    if gain["mean"] > 0:  # the lesson names the variants whose mean is above zero, with that mean
+        assert f"{gain['mean']:+.4f}" in markdown("11_on_policy_distillation"), path.name
 
 
 def test_there_are_lesson11_pilots():
-    assert len(PILOTS) >= 3
+    assert len(PILOTS) >= 5

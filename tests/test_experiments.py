@@ -150,3 +150,28 @@ def test_set_changes_one_config_field_by_its_type_and_names_the_fields_when_wron
         configured(GkdLongConfig, ["steps=many"])
     with pytest.raises(ValueError, match="'test' .* or 'validation'"):
         configured(GkdLongConfig, ["eval_split=train"])
+
+
+def test_lesson11s_warm_start_is_offline_distillation_shared_by_both_arms_of_a_seed():
+    """`offline_first`: both arms of a seed start from the same student, trained offline
+    first (once, cached); the offline arm then carries on with the batches after those."""
+    import jax
+    import numpy as np
+
+    from tunix_nb import data, model
+    from tunix_nb.experiments import gkd_long_answers as gkd_long
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    examples = data.generate_sft(16, seed=0, family="long")
+    shared = {"student": model.split(model.make_model("tiny", seed=0)),
+              "teacher": model.split(model.make_model("tiny", seed=1)), "teacher_train": examples}
+    cold = gkd_long.GkdLongConfig(batch_size=4, steps=1)
+    assert gkd_long.warm_start(0, cold, shared) is shared["student"][1]  # no warm start: the student as shipped
+    warm = gkd_long.GkdLongConfig(batch_size=4, steps=1, offline_first=12)  # past the 10 warmup steps
+    first = gkd_long.warm_start(0, warm, shared)
+    assert gkd_long.warm_start(0, warm, shared) is first  # trained once per seed, whichever arm asks first
+    moved = lambda a, b: max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+    assert moved(first, shared["student"][1]) > 0 and moved(first, gkd_long.warm_start(1, warm, shared)) > 0
+    rows = data.sft_arrays(examples, ByteTokenizer(), data.LONG_SEQ_LEN)
+    after = gkd_long.offline_batches(0, warm, shared, first=12)(0)
+    np.testing.assert_array_equal(after["inputs"], data.batch_at(rows, 12, 4, seed=0)["inputs"])

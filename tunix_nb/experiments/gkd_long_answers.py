@@ -39,6 +39,7 @@ class GkdLongConfig:
     alpha: float = 1.0  # the divergence alone on every row: no cross-entropy on the dataset's answers
     temperature: float = 1.0  # the on-policy arm's sampling temperature
     lmbda: float = 1.0  # the on-policy arm's share of steps on the student's own samples (TRL's lmbda)
+    offline_first: int = 0  # steps of offline distillation both arms share before they part (a warm start)
     eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
 
     def __post_init__(self):
@@ -61,26 +62,58 @@ def prepare(config: GkdLongConfig) -> dict:
 
 
 def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
-    from tunix_nb import data, distill, gkd, train
-    from tunix_nb.tokenizer import ByteTokenizer
+    """The student after `config.steps` steps of `arm`, from the shared warm start."""
+    from tunix_nb import data, gkd, train
 
-    graphdef, start = shared["student"]
+    graphdef, _ = shared["student"]
     teacher_graphdef, teacher = shared["teacher"]
-    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=10,
-                                                     total_steps=config.steps))
-    objective = distill.objective(graphdef, teacher_graphdef, beta=config.beta, alpha=config.alpha)
-    step_fn = train.make_step(objective, opt)
-    examples = shared["teacher_train"]
+    step_fn, opt = distill_step(config, graphdef, teacher_graphdef, shared)
+    start = warm_start(seed, config, shared)
     if arm == "offline":
-        rows = data.sft_arrays(examples, ByteTokenizer(), data.LONG_SEQ_LEN)
-        return train.run(step_fn, start, opt.init(start), lambda s: data.batch_at(rows, s, config.batch_size, seed=seed),
+        return train.run(step_fn, start, opt.init(start), offline_batches(seed, config, shared, first=config.offline_first),
                          steps=config.steps, frozen=teacher, progress=False)[0]
-    batches = gkd.make_batches(graphdef, teacher_graphdef, examples, batch_size=config.batch_size, seed=seed,
-                               lmbda=config.lmbda,
-                               temperature=config.temperature, max_new_tokens=data.LONG_MAX_NEW_TOKENS,
-                               seq_len=data.LONG_SEQ_LEN, prompt_len=data.LONG_PROMPT_LEN)
+    batches = gkd.make_batches(graphdef, teacher_graphdef, shared["teacher_train"], batch_size=config.batch_size,
+                               seed=seed, lmbda=config.lmbda, temperature=config.temperature,
+                               max_new_tokens=data.LONG_MAX_NEW_TOKENS, seq_len=data.LONG_SEQ_LEN,
+                               prompt_len=data.LONG_PROMPT_LEN)
     return train.run_on_policy(step_fn, start, opt.init(start), batches, steps=config.steps, frozen=teacher,
                                progress=False)[0]
+
+
+def distill_step(config: GkdLongConfig, graphdef, teacher_graphdef, shared: dict):
+    """(step_fn, optimizer): the divergence both arms train on, with the arms' schedule."""
+    from tunix_nb import distill, train
+
+    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=10,
+                                                     total_steps=config.steps))
+    return train.make_step(distill.objective(graphdef, teacher_graphdef, beta=config.beta, alpha=config.alpha), opt), opt
+
+
+def offline_batches(seed: int, config: GkdLongConfig, shared: dict, first: int = 0):
+    """step -> the offline batch: the dataset's answers, in seed's order, from batch `first` on."""
+    from tunix_nb import data
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    rows = data.sft_arrays(shared["teacher_train"], ByteTokenizer(), data.LONG_SEQ_LEN)
+    return lambda step: data.batch_at(rows, first + step, config.batch_size, seed=seed)
+
+
+def warm_start(seed: int, config: GkdLongConfig, shared: dict):
+    """The shipped student after `config.offline_first` offline steps (its own schedule), once per seed."""
+    from tunix_nb import train
+
+    _, start = shared["student"]
+    if not config.offline_first:
+        return start
+    key = ("warm_start", seed)
+    if key not in shared:
+        graphdef, _ = shared["student"]
+        teacher_graphdef, teacher = shared["teacher"]
+        warm = dataclasses.replace(config, steps=config.offline_first)
+        step_fn, opt = distill_step(warm, graphdef, teacher_graphdef, shared)
+        shared[key] = train.run(step_fn, start, opt.init(start), offline_batches(seed, config, shared),
+                                steps=config.offline_first, frozen=teacher, progress=False)[0]
+    return shared[key]
 
 
 def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: str = HEADLINE) -> dict:

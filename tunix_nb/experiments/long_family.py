@@ -4,20 +4,20 @@ Lessons 08 and 11 need answers long enough for a policy to get some right by cha
 for errors to compound: reversing and sorting 6-14 symbols (`data.LONG_TASKS`). Every
 split is drawn from its own seed, none shares a prompt with another:
 
-- the student's SFT set: 4000 reversals and 2000 sorts (sorting is learnt faster; the
+- the student's SFT set: 4500 reversals and 2000 sorts (sorting is learnt faster; the
   mix brings both sub-tasks to partial competence at the same step);
 - the teacher's SFT set: 8000, balanced;
 - the validation split (1000), for every choice: a checkpoint, a temperature, a step;
 - the test split (1000), scored once, never used for a choice;
 - fresh prompts for on-policy training (GRPO, GKD).
 
-The student (`data/long_student`): the `student` preset, SFT on its set for 360 steps of
-a 460-step schedule (a run stopped early: partially competent; the stop step was chosen
-on the validation split, as the checkpoint that comes closest to the gate below: no
-checkpoint of this recipe between steps 240 and 400 meets both of its parts). The pilot gate, on the
-validation split at temperature 1: sampled pass@1 between 30% and 70%, and pass@8 at
-least 20 points above greedy (a policy that samples right answers unreliably: what GRPO
-can turn into pass@1). The teacher (`data/long_teacher`): the `teacher` preset, 2000 steps.
+The student (`data/long_student`): the `student` preset, SFT on its set for 440 steps of
+a 460-step schedule at learning rate 6e-3 (a run stopped early: partially competent; the
+recipe and the stop step were chosen on the validation split, against the gate below, which
+this checkpoint meets with three sampling seeds; data/README.md gives the recipes tried).
+The pilot gate, on the validation split at temperature 1: sampled pass@1 between 30% and
+70%, and pass@8 at least 20 points above greedy (a policy that samples right answers
+unreliably: what GRPO can turn into pass@1). The teacher (`data/long_teacher`): the `teacher` preset, 2000 steps.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Recipe:
     seed: int = 0
 
 
-STUDENT = Recipe("student", "student_train", steps=460, stop_at=360, learning_rate=3e-3)
+STUDENT = Recipe("student", "student_train", steps=460, stop_at=440, learning_rate=6e-3)
 TEACHER = Recipe("teacher", "teacher_train", steps=2000, stop_at=2000, learning_rate=2e-3)
 
 
@@ -63,7 +63,7 @@ def splits(n_fresh: int = 8000) -> dict[str, list[dict]]:
     for name, n in sizes.items():
         out[name] = data.generate_sft(n, seed=SPLIT_SEEDS[name], family="long", exclude=seen)
         seen += [e["prompt"] for e in out[name]]
-    reversals = [e for e in out["student_train"] if e["task"] == "long_reverse"][:4000]
+    reversals = [e for e in out["student_train"] if e["task"] == "long_reverse"]  # all 4500
     sorts = [e for e in out["student_train"] if e["task"] == "long_sort"][:2000]
     out["student_train"] = reversals + sorts
     return out
