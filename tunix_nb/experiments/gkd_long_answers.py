@@ -67,11 +67,12 @@ def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
 
     graphdef, _ = shared["student"]
     teacher_graphdef, teacher = shared["teacher"]
-    step_fn, opt = distill_step(config, graphdef, teacher_graphdef, shared)
+    step_fn, opt = distill_step(config, graphdef, teacher_graphdef)
     start = warm_start(seed, config, shared)
     if arm == "offline":
-        return train.run(step_fn, start, opt.init(start), offline_batches(seed, config, shared, first=config.offline_first),
-                         steps=config.steps, frozen=teacher, progress=False)[0]
+        batches = offline_batches(seed, config, shared, first=config.offline_first)
+        return train.run(step_fn, start, opt.init(start), batches, steps=config.steps, frozen=teacher,
+                         progress=False)[0]
     batches = gkd.make_batches(graphdef, teacher_graphdef, shared["teacher_train"], batch_size=config.batch_size,
                                seed=seed, lmbda=config.lmbda, temperature=config.temperature,
                                max_new_tokens=data.LONG_MAX_NEW_TOKENS, seq_len=data.LONG_SEQ_LEN,
@@ -80,13 +81,14 @@ def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
                                progress=False)[0]
 
 
-def distill_step(config: GkdLongConfig, graphdef, teacher_graphdef, shared: dict):
+def distill_step(config: GkdLongConfig, graphdef, teacher_graphdef):
     """(step_fn, optimizer): the divergence both arms train on, with the arms' schedule."""
     from tunix_nb import distill, train
 
     opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=10,
                                                      total_steps=config.steps))
-    return train.make_step(distill.objective(graphdef, teacher_graphdef, beta=config.beta, alpha=config.alpha), opt), opt
+    objective = distill.objective(graphdef, teacher_graphdef, beta=config.beta, alpha=config.alpha)
+    return train.make_step(objective, opt), opt
 
 
 def offline_batches(seed: int, config: GkdLongConfig, shared: dict, first: int = 0):
@@ -102,15 +104,13 @@ def warm_start(seed: int, config: GkdLongConfig, shared: dict):
     """The shipped student after `config.offline_first` offline steps (its own schedule), once per seed."""
     from tunix_nb import train
 
-    _, start = shared["student"]
+    graphdef, start = shared["student"]
     if not config.offline_first:
         return start
     key = ("warm_start", seed)
     if key not in shared:
-        graphdef, _ = shared["student"]
         teacher_graphdef, teacher = shared["teacher"]
-        warm = dataclasses.replace(config, steps=config.offline_first)
-        step_fn, opt = distill_step(warm, graphdef, teacher_graphdef, shared)
+        step_fn, opt = distill_step(dataclasses.replace(config, steps=config.offline_first), graphdef, teacher_graphdef)
         shared[key] = train.run(step_fn, start, opt.init(start), offline_batches(seed, config, shared),
                                 steps=config.offline_first, frozen=teacher, progress=False)[0]
     return shared[key]
