@@ -29,6 +29,8 @@ QUOTED_GAINS = [
     ("08_grpo", "lesson08_grpo", ("grpo_over_rft_sampled",), {}),
     ("11_on_policy_distillation", "lesson11_gkd", ("on_policy_over_offline_longest_third",), SIMILARITY),
     ("11_on_policy_distillation", "lesson11_gkd", ("exact_match_control",), {}),
+    ("11_on_policy_distillation", "lesson11_gkd", ("by_task", "long_reverse", "on_policy_over_offline"), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd", ("by_task", "long_sort", "on_policy_over_offline"), SIMILARITY),
 ]
 
 
@@ -158,7 +160,8 @@ def test_lesson11_on_policy_beats_offline_in_edit_similarity_on_the_longest_thir
 
 
 @pytest.mark.xfail(strict=True, reason="missed: the share falls from 59% (offline) to 45% (on-policy), "
-                   "lower on every seed but not half")
+                   "lower on every seed but not half. On reversals it falls from 35% to 6%; on sorts, whose wrong "
+                   "answers are nearly all a symbol short or long, from 74% to 71% (lesson 11)")
 def test_lesson11_on_policy_halves_the_share_of_errors_its_own_prefix_causes(lesson11):
     share = lesson11[1]["own_prefix_share_longest_third"]
     assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
@@ -168,6 +171,25 @@ def test_lesson11_on_policy_lowers_the_share_of_errors_its_own_prefix_causes_on_
     """What on-policy training is for, as measured: lower on each seed, paired."""
     share = lesson11[1]["own_prefix_share_longest_third"]
     assert all(on < off for on, off in zip(share["on_policy"]["per_seed"], share["offline"]["per_seed"]))
+
+
+def test_lesson11_on_reversals_on_policy_at_least_halves_the_own_prefix_share_on_every_seed(lesson11):
+    """Where the student's slips compound (reversals, whose wrong answers keep their length), on-policy
+    training removes what it is meant to (lesson 11, "Where the errors are"), seed by seed."""
+    share = lesson11[1]["by_task"]["long_reverse"]["own_prefix_share_longest_third"]
+    assert all(on <= 0.5 * off for on, off in zip(share["on_policy"]["per_seed"], share["offline"]["per_seed"]))
+
+
+def test_lesson11_sorts_own_prefix_errors_are_mostly_answers_a_symbol_short_or_long(lesson11):
+    """Why the family's share cannot halve (lesson 11): a wrong sort is nearly always one symbol short or
+    long, which position-aligned counting charges at every later position, and no arm can undo."""
+    sort = lesson11[1]["by_task"]["long_sort"]
+    assert min(sort["wrong_answers_of_the_wrong_length"].values()) > 0.9
+    assert sort["own_prefix_share_longest_third"]["on_policy"]["mean"] > 0.5 * sort[
+        "own_prefix_share_longest_third"]["offline"]["mean"]
+    positive = sum(g > 0 for g in sort["on_policy_over_offline"]["per_seed"])
+    words = ["no", "one", "two", "three", "four", "all five"][positive]
+    assert f"positive on {words} seeds of five" in " ".join(markdown("11_on_policy_distillation").split())
 
 
 def markdown(notebook: str) -> str:
@@ -205,14 +227,19 @@ def test_lesson11_pilots_were_scored_on_validation_with_their_command_and_are_wh
         "command"], f"{path.name} should store the command that made it"
     found = gkd_long_answers.summarise(pilot)
     assert_same_summary(found, pilot["summary"])
-    # lesson 11: every variant lowered the own-prefix share, none beat offline (its interval covers zero)
+    # lesson 11: every variant lowered the own-prefix share, none beat offline (no interval above zero)
     shares = found["own_prefix_share_longest_third"]
     assert shares["on_policy"]["mean"] < shares["offline"]["mean"]
+    reverse = found["by_task"]["long_reverse"]  # and on reversals: the share falls, the right-prefix error rises
+    assert reverse["own_prefix_share_longest_third"]["on_policy"]["mean"] < reverse[
+        "own_prefix_share_longest_third"]["offline"]["mean"]
+    assert reverse["teacher_forced_error_longest_third"]["on_policy"] > reverse["teacher_forced_error_longest_third"][
+        "offline"]
     gain = found["on_policy_over_offline_longest_third"]
-    assert gain["ci95"][0] < 0 < gain["ci95"][1]
-    if gain["mean"] > 0:  # the lesson names the variants whose mean is above zero, with that mean
-        assert f"{gain['mean']:+.4f}" in markdown("11_on_policy_distillation"), path.name
+    assert gain["ci95"][0] <= 0, f"{path.name}: a design that beats offline on validation is one to run on test"
+    if gain["mean"] > 0 or gain["ci95"][1] < 0:  # the lesson names the means above zero, and the designs
+        assert f"{gain['mean']:+.4f}" in markdown("11_on_policy_distillation"), path.name  # surely below it
 
 
 def test_there_are_lesson11_pilots():
-    assert len(PILOTS) >= 5
+    assert len(PILOTS) >= 8

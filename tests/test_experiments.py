@@ -175,3 +175,37 @@ def test_lesson11s_warm_start_is_offline_distillation_shared_by_both_arms_of_a_s
     rows = data.sft_arrays(examples, ByteTokenizer(), data.LONG_SEQ_LEN)
     after = gkd_long.offline_batches(0, warm, shared, first=12)(0)
     np.testing.assert_array_equal(after["inputs"], data.batch_at(rows, 12, 4, seed=0)["inputs"])
+
+
+def test_lesson11s_sub_task_summary_counts_the_wrong_answers_edits_and_shifts_by_hand():
+    """`by_task_summary` on a hand-made record: one seed, three answers per sub-task, all in the
+    longest third; the figures are what counting the wrong answers by hand gives."""
+    from tunix_nb.experiments import gkd_long_answers as gkd_long
+
+    gold = ["abcdef", "ghijkl", "mnopqr", "001122", "334455", "667788"]
+    tasks = ["long_reverse"] * 3 + ["long_sort"] * 3
+    own = {"offline": ["abcdef", "gxijkl", "mnopqr", "00122", "334455", "6677888"],  # 1 swap; 1 dropped, 1 extra
+           "on_policy": ["abcdxf", "gxijky", "mnopqr", "001122", "34455", "667788"]}  # 1 and 2 swaps; 1 dropped
+
+    def run(arm):
+        answers = own[arm]
+        figures = {"own_prefix_share": 0.5, "free_running_error": 0.1, "teacher_forced_error": 0.05}
+        return {"scores": [stats.edit_similarity(a, g) for a, g in zip(answers, gold)],
+                "exact_match": [float(a == g) for a, g in zip(answers, gold)],
+                "answer_length": [len(g) for g in gold], "task": tasks,
+                "edits": [stats.edit_distance(a, g) for a, g in zip(answers, gold)],
+                "own_length": [len(a) for a in answers], **figures,
+                "by_task": {t: {**figures, "own_prefix_share": 0.2 if arm == "on_policy" else 0.4} for t in set(tasks)}}
+
+    runs = {arm: [run(arm)] for arm in gkd_long.ARMS}
+    every = np.ones(6, bool)
+    reverse = gkd_long.by_task_summary(runs, every, "long_reverse")
+    assert reverse["edits_per_wrong_answer"] == {"offline": 1.0, "on_policy": 1.5}
+    assert reverse["wrong_answers_of_the_wrong_length"] == {"offline": 0.0, "on_policy": 0.0}
+    assert reverse["exact_match"]["mean"] == pytest.approx(-1 / 3)
+    assert reverse["own_prefix_share_longest_third"]["on_policy"]["per_seed"] == [0.2]
+    sort = gkd_long.by_task_summary(runs, every, "long_sort")
+    assert sort["wrong_answers_of_the_wrong_length"] == {"offline": 1.0, "on_policy": 1.0}
+    assert sort["edits_per_wrong_answer"] == {"offline": 1.0, "on_policy": 1.0}
+    summary = gkd_long.summarise({"runs": {gkd_long.HEADLINE: runs}})
+    assert summary["by_task"]["long_sort"] == sort

@@ -273,4 +273,17 @@ def test_errors_by_position_against_a_row_by_row_count(models):
     assert got["rows"].tolist() == rows.tolist()
     np.testing.assert_allclose(got["teacher_forced"], forced / rows, atol=1e-6)
     np.testing.assert_allclose(got["free_running"], free / rows, atol=1e-6)
+
+
+def test_error_rates_of_some_rows_are_errors_by_position_of_those_rows(models):
+    """Lesson 11's sub-task figures come from one pass over the longest third, cut by row."""
+    graphdef, student, _, _ = models
+    examples = data.load_sft(data.DATA_DIR / "sft_eval.jsonl")[:40]
+    right = evaluate.right_tokens_by_row(graphdef, student, examples)
+    some = np.arange(len(examples)) % 3 == 0
+    for rows, part in ((slice(None), examples), (some, [e for e, x in zip(examples, some) if x])):
+        got, want = evaluate.error_rates(right, rows), evaluate.errors_by_position(graphdef, student, part)
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
     assert (got["free_running"] >= got["teacher_forced"])[0] and got["teacher_forced"][0] == got["free_running"][0]

@@ -166,6 +166,12 @@ EXPERIMENT_ROWS = [
      [("free_running_error_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
     ("11", L11, "| 11 | share of those errors its own prefix caused: offline / on-policy | {}% / {}% |",
      [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11, "| 11 | same, reversals only (where slips compound): offline / on-policy | {}% / {}% |",
+     [("by_task", "long_reverse", "own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")],
+     100),
+    ("11", L11, "| 11 | reversals' token error after the right prefix: offline / on-policy | {}% / {}% |",
+     [("by_task", "long_reverse", "teacher_forced_error_longest_third", arm) for arm in ("offline", "on_policy")],
+     100),
 ]
 
 

@@ -56,6 +56,16 @@ def errors_by_position(graphdef, params, examples, *, tokenizer: Tokenizer | Non
     Where the two differ, the model's own earlier mistakes caused the errors (exposure
     bias); where its prefix is right, the two are the same prediction.
     """
+    return error_rates(right_tokens_by_row(graphdef, params, examples, tokenizer=tokenizer, seq_len=seq_len,
+                                           max_new_tokens=max_new_tokens, prompt_len=prompt_len))
+
+
+def right_tokens_by_row(graphdef, params, examples, *, tokenizer: Tokenizer | None = None,
+                        seq_len: int = data.DEFAULT_SEQ_LEN, max_new_tokens: int = data.MAX_NEW_TOKENS,
+                        prompt_len: int = data.DEFAULT_PROMPT_LEN) -> dict:
+    """`errors_by_position`'s counts before they are summed over rows: [N, T] bools
+    "teacher_forced" and "free_running" (token k of answer n is right), and "has" (answer
+    n has a token k), so that any subset of the rows gives its rates (`error_rates`)."""
     tokenizer = tokenizer or ByteTokenizer()
     rows = data.sft_arrays(examples, tokenizer, seq_len)
     logits_NxLxV = map_in_chunks(lambda b: model_lib.apply(graphdef, params, b["inputs"], b["attention_mask"]),
@@ -74,7 +84,15 @@ def errors_by_position(graphdef, params, examples, *, tokenizer: Tokenizer | Non
     own_NxT = map_in_chunks(lambda b: model_lib.greedy_generate(
         graphdef, params, b["tokens"], b["attention_mask"], max_new_tokens=T, eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id), prompts, 200)
+    return {"teacher_forced": forced_NxT & has_NxT, "free_running": (own_NxT == gold_NxT) & has_NxT, "has": has_NxT}
+
+
+def error_rates(right: dict, rows=slice(None)) -> dict:
+    """`errors_by_position`'s rates from `right_tokens_by_row`'s counts, over `rows` (a mask or
+    index of the rows; all by default)."""
+    has_NxT = right["has"][rows]
     count_T = has_NxT.sum(axis=0)
     longest = int(np.count_nonzero(count_T))  # positions no answer reaches have no rate
-    rate = lambda right_NxT: (1 - (right_NxT & has_NxT).sum(axis=0) / np.maximum(count_T, 1))[:longest]  # noqa: E731
-    return {"teacher_forced": rate(forced_NxT), "free_running": rate(own_NxT == gold_NxT), "rows": count_T[:longest]}
+    rate = lambda right_NxT: (1 - right_NxT[rows].sum(axis=0) / np.maximum(count_T, 1))[:longest]  # noqa: E731
+    return {"teacher_forced": rate(right["teacher_forced"]), "free_running": rate(right["free_running"]),
+            "rows": count_T[:longest]}

@@ -16,7 +16,9 @@ right answer, so the offline arm gets no cross-entropy either.
 Scored on the test split by edit similarity (it sees errors made after the student's own
 wrong prefix, which exact match cannot), exact match as a control, and by answer length;
 the share of token errors caused by the student's own prefix (`evaluate.errors_by_position`,
-free-running minus teacher-forced) on the longest third.
+free-running minus teacher-forced) on the longest third; and the same for each sub-task,
+with what its wrong answers look like (edits from the right one; a symbol short or long),
+since a reversal's slips and a sort's are not alike (`by_task_summary`).
 """
 
 from __future__ import annotations
@@ -124,13 +126,22 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
     params = train_student(arm, seed, config, shared)
     test = shared[config.eval_split]
     answers = evaluate.generate_answers(graphdef, params, [e["prompt"] for e in test], **long_family.LENGTHS)
-    longest = longest_third(test)
-    errors = evaluate.errors_by_position(graphdef, params, [e for e, x in zip(test, longest) if x],
-                                         seq_len=data.LONG_SEQ_LEN, **long_family.LENGTHS)
+    tasks, longest = np.array([e["task"] for e in test]), longest_third(test)
+    right = evaluate.right_tokens_by_row(graphdef, params, [e for e, x in zip(test, longest) if x],
+                                          seq_len=data.LONG_SEQ_LEN, **long_family.LENGTHS)
     return {"scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
             "exact_match": [float(a == e["completion"]) for a, e in zip(answers, test)],
-            "answer_length": [len(e["completion"]) for e in test],
-            "own_prefix_share": own_prefix_share(errors), "free_running_error": token_error(errors, "free_running"),
+            "answer_length": [len(e["completion"]) for e in test], "task": tasks.tolist(),
+            "edits": [stats.edit_distance(a, e["completion"]) for a, e in zip(answers, test)],
+            "own_length": [len(a) for a in answers],
+            **error_figures(evaluate.error_rates(right)),
+            "by_task": {task: error_figures(evaluate.error_rates(right, tasks[longest] == task))
+                        for task in sorted(set(tasks))}}
+
+
+def error_figures(errors: dict) -> dict:
+    """Free-running and teacher-forced token error, and the own-prefix share, from `errors_by_position`'s rates."""
+    return {"own_prefix_share": own_prefix_share(errors), "free_running_error": token_error(errors, "free_running"),
             "teacher_forced_error": token_error(errors, "teacher_forced")}
 
 
@@ -160,17 +171,47 @@ def summarise(record: dict) -> dict:
     runs = record["runs"][HEADLINE]
     long = np.array(runs["offline"][0]["answer_length"]) >= np.quantile(runs["offline"][0]["answer_length"], 2 / 3)
     pick = lambda arm, key, mask=slice(None): [np.asarray(r[key])[mask] for r in runs[arm]]  # noqa: E731
-    shares = {arm: [r["own_prefix_share"] for r in runs[arm]] for arm in runs}
     return {
         "edit_similarity_longest_third": {arm: stats.mean_interval(pick(arm, "scores", long)) for arm in runs},
         "on_policy_over_offline_longest_third": stats.paired_gain(pick("on_policy", "scores", long),
                                                                    pick("offline", "scores", long)),
         "on_policy_over_offline_all": stats.paired_gain(pick("on_policy", "scores"), pick("offline", "scores")),
         "exact_match_control": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
-        "own_prefix_share_longest_third": {arm: {"mean": float(np.mean(v)), "per_seed": v} for arm, v in shares.items()},
-        "free_running_error_longest_third": {arm: {"mean": float(np.mean([r["free_running_error"] for r in runs[arm]])),
-                                                   "per_seed": [r["free_running_error"] for r in runs[arm]]}
-                                             for arm in runs},
-        "teacher_forced_error_longest_third": {arm: float(np.mean([r["teacher_forced_error"] for r in runs[arm]]))
-                                               for arm in runs},
+        **error_summary(runs),
+        "by_task": {task: by_task_summary(runs, long, task) for task in sorted(set(runs["offline"][0]["task"]))},
+    }
+
+
+def error_summary(figures_by_arm: dict) -> dict:
+    """The longest third's own-prefix share (mean and per seed), free-running and teacher-forced error, per arm."""
+    values = lambda arm, key: [f[key] for f in figures_by_arm[arm]]  # noqa: E731
+    return {
+        "own_prefix_share_longest_third": {arm: {"mean": float(np.mean(values(arm, "own_prefix_share"))),
+                                                 "per_seed": values(arm, "own_prefix_share")} for arm in figures_by_arm},
+        "free_running_error_longest_third": {arm: {"mean": float(np.mean(values(arm, "free_running_error"))),
+                                                   "per_seed": values(arm, "free_running_error")}
+                                             for arm in figures_by_arm},
+        "teacher_forced_error_longest_third": {arm: float(np.mean(values(arm, "teacher_forced_error")))
+                                               for arm in figures_by_arm},
+    }
+
+
+def by_task_summary(runs: dict, long: np.ndarray, task: str) -> dict:
+    """One sub-task's longest third: the paired gains, the error figures, and what the wrong answers look
+    like (how many edits from the right one; how many have a symbol too few or too many, which shifts
+    every later position, so that position-aligned counting charges one slip at each of them)."""
+    from tunix_nb.experiments import stats
+
+    mask = long & (np.array(runs["offline"][0]["task"]) == task)
+    pick = lambda arm, key: [np.asarray(r[key])[mask] for r in runs[arm]]  # noqa: E731
+    wrong = {arm: [np.asarray(r["exact_match"])[mask] == 0 for r in runs[arm]] for arm in runs}
+    pooled = lambda arm, values: float(np.concatenate([v[w] for v, w in zip(values, wrong[arm])]).mean())  # noqa: E731
+    return {
+        "on_policy_over_offline": stats.paired_gain(pick("on_policy", "scores"), pick("offline", "scores")),
+        "exact_match": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
+        **error_summary({arm: [r["by_task"][task] for r in runs[arm]] for arm in runs}),
+        "edits_per_wrong_answer": {arm: pooled(arm, pick(arm, "edits")) for arm in runs},
+        "wrong_answers_of_the_wrong_length": {
+            arm: pooled(arm, [o != g for o, g in zip(pick(arm, "own_length"), pick(arm, "answer_length"))])
+            for arm in runs},
     }
