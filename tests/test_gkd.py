@@ -273,6 +273,7 @@ def test_errors_by_position_against_a_row_by_row_count(models):
     assert got["rows"].tolist() == rows.tolist()
     np.testing.assert_allclose(got["teacher_forced"], forced / rows, atol=1e-6)
     np.testing.assert_allclose(got["free_running"], free / rows, atol=1e-6)
+    assert (got["free_running"] >= got["teacher_forced"])[0] and got["teacher_forced"][0] == got["free_running"][0]
 
 
 def test_error_rates_of_some_rows_are_errors_by_position_of_those_rows(models):
@@ -286,4 +287,3 @@ def test_error_rates_of_some_rows_are_errors_by_position_of_those_rows(models):
         assert got.keys() == want.keys()
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
-    assert (got["free_running"] >= got["teacher_forced"])[0] and got["teacher_forced"][0] == got["free_running"][0]

@@ -16,7 +16,7 @@ right answer, so the offline arm gets no cross-entropy either.
 Scored on the test split by edit similarity (it sees errors made after the student's own
 wrong prefix, which exact match cannot), exact match as a control, and by answer length;
 the share of token errors caused by the student's own prefix (`evaluate.errors_by_position`,
-free-running minus teacher-forced) on the longest third; and the same for each sub-task,
+free-running minus teacher-forced) on the longest third; and the same split by sub-task,
 with what its wrong answers look like (edits from the right one; a symbol short or long),
 since a reversal's slips and a sort's are not alike (`by_task_summary`).
 """
@@ -197,15 +197,20 @@ def error_summary(figures_by_arm: dict) -> dict:
 
 
 def by_task_summary(runs: dict, long: np.ndarray, task: str) -> dict:
-    """One sub-task's longest third: the paired gains, the error figures, and what the wrong answers look
-    like (how many edits from the right one; how many have a symbol too few or too many, which shifts
-    every later position, so that position-aligned counting charges one slip at each of them)."""
+    """The family's longest third, one sub-task's rows of it: the paired gains, the error figures, and
+    what the wrong answers look like, pooled over seeds (how many edits from the right one; how many
+    have the wrong length, which shifts every later position, so that position-aligned counting
+    charges that slip at each of them). None where an arm has no wrong answer."""
     from tunix_nb.experiments import stats
 
     mask = long & (np.array(runs["offline"][0]["task"]) == task)
     pick = lambda arm, key: [np.asarray(r[key])[mask] for r in runs[arm]]  # noqa: E731
     wrong = {arm: [np.asarray(r["exact_match"])[mask] == 0 for r in runs[arm]] for arm in runs}
-    pooled = lambda arm, values: float(np.concatenate([v[w] for v, w in zip(values, wrong[arm])]).mean())  # noqa: E731
+
+    def pooled(arm, values):
+        chosen = np.concatenate([v[w] for v, w in zip(values, wrong[arm])])
+        return float(chosen.mean()) if chosen.size else None  # no wrong answer: nothing to describe
+
     return {
         "on_policy_over_offline": stats.paired_gain(pick("on_policy", "scores"), pick("offline", "scores")),
         "exact_match": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
