@@ -447,3 +447,19 @@ def test_the_long_family_fits_its_lengths_and_is_balanced():
     assert data.LONG_PROMPT_LEN + data.LONG_MAX_NEW_TOKENS == data.LONG_SEQ_LEN
     with pytest.raises(ValueError, match="family must be one of"):
         data.generate_sft(4, seed=0, family="medium")
+
+
+def test_the_count_familys_answers_are_running_counts_that_fit_the_long_lengths():
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    assert data.running_counts("1011") == "1123" and data.running_counts("1" * 12) == "123456789012"  # mod 10
+    examples = data.generate_sft(600, seed=0, family="count")
+    assert {e["task"] for e in examples} == set(data.COUNT_TASKS) and len({e["prompt"] for e in examples}) == 600
+    for e in examples:
+        bits = e["prompt"].removeprefix("cnt ").removesuffix("=")
+        assert set(bits) <= {"0", "1"} and data.LONG_MIN <= len(bits) <= data.LONG_MAX
+        # digit i: the 1s among the first i bits, counted independently of the generator
+        assert e["completion"] == "".join(str(bits[:i + 1].count("1") % 10) for i in range(len(bits)))
+    tok = ByteTokenizer()
+    data.sft_arrays(examples, tok, data.LONG_SEQ_LEN)  # raises if a row does not fit
+    data.prompt_arrays([e["prompt"] for e in examples], tok, data.LONG_PROMPT_LEN)

@@ -31,6 +31,8 @@ QUOTED_GAINS = [
     ("11_on_policy_distillation", "lesson11_gkd", ("exact_match_control",), {}),
     ("11_on_policy_distillation", "lesson11_gkd", ("by_task", "long_reverse", "on_policy_over_offline"), SIMILARITY),
     ("11_on_policy_distillation", "lesson11_gkd", ("by_task", "long_sort", "on_policy_over_offline"), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_count", ("on_policy_over_offline_longest_third",), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_count", ("exact_match_control",), {}),
 ]
 
 
@@ -88,10 +90,18 @@ def lesson11():
     return rec, gkd_long_answers.summarise(rec)
 
 
+@pytest.fixture(scope="module")
+def lesson11_count():
+    """Lesson 11's second design: running counts (`--set family=count`)."""
+    rec = record("lesson11_gkd_count")
+    return rec, gkd_long_answers.summarise(rec)
+
+
 @pytest.mark.parametrize("name, command", [
     ("lesson02_distillation", "python -m tunix_nb.experiments lesson02_distillation --seeds 5"),
     ("lesson08_grpo", "python -m tunix_nb.experiments lesson08_grpo --seeds 5"),
     ("lesson11_gkd", "python -m tunix_nb.experiments lesson11_gkd --seeds 5"),
+    ("lesson11_gkd_count", "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count"),
 ])
 def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name, command):
     rec = record(name)
@@ -101,9 +111,9 @@ def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name,
             assert len(runs) == 5 and {len(r["scores"]) for r in runs} == {1000}
 
 
-def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11):
+def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11, lesson11_count):
     """The summary written beside the runs is recomputed from them, not edited."""
-    for rec, summary in (lesson02, lesson08, lesson11):
+    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count):
         assert_same_summary(summary, rec["summary"])
 
 
@@ -190,6 +200,62 @@ def test_lesson11_sorts_own_prefix_errors_are_mostly_answers_a_symbol_short_or_l
     positive = sum(g > 0 for g in sort["on_policy_over_offline"]["per_seed"])
     words = ["no", "one", "two", "three", "four", "all five"][positive]
     assert f"positive on {words} seeds of five" in " ".join(markdown("11_on_policy_distillation").split())
+
+
+@pytest.mark.xfail(strict=True, reason="missed on the second design too: on running counts (40 steps, chosen on "
+                   "validation, where it gave +0.0023 on 2 seeds) on-policy - offline edit similarity on the longest "
+                   "third is +0.0006 (95% interval -0.0013 to +0.0025) over 5 seeds (lesson 11)")
+def test_lesson11_on_running_counts_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(lesson11_count):
+    gain = lesson11_count[1]["on_policy_over_offline_longest_third"]
+    assert gain["mean"] > 0 and gain["ci95"][0] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="missed on the second design too: on running counts the share falls from 49% "
+                   "to 42%, not to half (lesson 11)")
+def test_lesson11_on_running_counts_on_policy_halves_the_share_of_errors_its_own_prefix_causes(lesson11_count):
+    share = lesson11_count[1]["own_prefix_share_longest_third"]
+    assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
+
+
+def test_lesson11_on_running_counts_on_policy_corrects_more_miscounts_and_carries_fewer_on_every_seed(lesson11_count):
+    """What on-policy training is for, on the count family (lesson 11): right after a slip, the
+    on-policy student gives the right digit more often and carries the slip on less often, seed by seed."""
+    slip = lesson11_count[1]["after_a_slip"]
+    on, off = slip["on_policy"], slip["offline"]
+    assert all(a > b for a, b in zip(on["right"]["per_seed"], off["right"]["per_seed"]))
+    assert all(a < b for a, b in zip(on["carried"]["per_seed"], off["carried"]["per_seed"]))
+    positive = sum(g > 0 for g in lesson11_count[1]["on_policy_over_offline_longest_third"]["per_seed"])
+    words = ["no", "one", "two", "three", "four", "all five"][positive]
+    assert f"positive on {words} seeds of five" in " ".join(markdown("11_on_policy_distillation").split())
+
+
+COUNT_PILOTS = sorted((RESULTS / "lesson11_count_pilots").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", COUNT_PILOTS, ids=[p.stem for p in COUNT_PILOTS])
+def test_lesson11_count_pilots_were_scored_on_validation_with_their_command(path):
+    pilot = json.loads(path.read_text())
+    assert pilot["config"]["eval_split"] == "validation" and pilot["config"]["family"] == "count", path.name
+    assert "--set family=count --set eval_split=validation" in pilot["command"] and (
+        f"--out results/lesson11_count_pilots/{path.name}" in pilot["command"]), f"{path.name}: its command"
+    assert_same_summary(gkd_long_answers.summarise(pilot), pilot["summary"])
+
+
+def test_lesson11s_count_design_is_the_validation_pilot_with_the_largest_gain(lesson11_count):
+    """The stored test run's settings were chosen on validation: the pilot whose gain was largest."""
+    pilots = [json.loads(p.read_text()) for p in COUNT_PILOTS]
+    assert len(pilots) >= 6
+    best = max(pilots, key=lambda p: p["summary"]["on_policy_over_offline_longest_third"]["mean"])
+    settings = lambda config: {k: v for k, v in config.items() if k != "eval_split"}  # noqa: E731
+    assert settings(best["config"]) == settings(lesson11_count[0]["config"])
+
+
+def test_the_datasheet_quotes_the_count_checkpoints_validation_exact_match(lesson11_count):
+    em = lesson11_count[0]["setup"]["validation_exact_match"]
+    rows = {line.split("|")[1].strip(): line for line in (ROOT / "data" / "README.md").read_text().splitlines()
+            if line.startswith("| `count_")}
+    assert f"validation exact match {em['teacher']:.1%}" in rows["`count_teacher/`"]
+    assert f"validation exact match {em['student']:.1%}" in rows["`count_student/`"]
 
 
 def markdown(notebook: str) -> str:

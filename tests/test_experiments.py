@@ -150,6 +150,32 @@ def test_set_changes_one_config_field_by_its_type_and_names_the_fields_when_wron
         configured(GkdLongConfig, ["steps=many"])
     with pytest.raises(ValueError, match="'test' .* or 'validation'"):
         configured(GkdLongConfig, ["eval_split=train"])
+    assert configured(GkdLongConfig, ["family=count"]).family == "count"
+    with pytest.raises(ValueError, match="family is one of long, count; got 'short'"):
+        configured(GkdLongConfig, ["family=short"])
+
+
+def test_wrong_prefixes_swap_answer_inputs_for_another_of_the_rows_digits_and_keep_every_target():
+    """The count teacher's recipe: a share of the answer tokens, as inputs, swapped; the targets
+    (the right answer, position by position) and everything outside the answer untouched."""
+    import numpy as np
+
+    from tunix_nb import data
+    from tunix_nb.experiments.long_family import with_wrong_prefixes
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    rows = data.sft_arrays(data.generate_sft(256, seed=0, family="count"), ByteTokenizer(), data.LONG_SEQ_LEN)
+    assert with_wrong_prefixes(rows, 0.0, seed=0) is rows
+    swapped = with_wrong_prefixes(rows, 0.1, seed=(0, 3))
+    np.testing.assert_array_equal(swapped["targets"], rows["targets"])
+    changed_BxL = swapped["inputs"] != rows["inputs"]
+    answer_input_BxL = np.zeros_like(changed_BxL)
+    answer_input_BxL[:, 1:] = (rows["loss_mask"][:, 1:] > 0) & (rows["loss_mask"][:, :-1] > 0)
+    assert not (changed_BxL & ~answer_input_BxL).any()  # the prompt, the first answer token's input, eos: kept
+    assert 0.03 < changed_BxL.sum() / answer_input_BxL.sum() < 0.1  # a tenth drawn; a swap for an equal digit changes nothing
+    for row, col in zip(*np.nonzero(changed_BxL)):  # each swap is another of the row's answer digits
+        assert swapped["inputs"][row, col] in rows["inputs"][row][answer_input_BxL[row]]
+    np.testing.assert_array_equal(with_wrong_prefixes(rows, 0.1, seed=(0, 3))["inputs"], swapped["inputs"])
 
 
 def test_lesson11s_warm_start_is_offline_distillation_shared_by_both_arms_of_a_seed():

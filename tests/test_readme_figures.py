@@ -122,6 +122,7 @@ N04, N05, N06, N07 = "04_pmap_dpo", "05_orbax_checkpointing", "06_beyond_pmap", 
 N08, N09, N10, N11 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora", "11_on_policy_distillation"
 N12 = "12_your_model_and_data"
 L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gkd.json"
+L11C = "lesson11_gkd_count.json"  # lesson 11's second design, running counts
 
 
 GATE = ("greedy", "pass_at_1", "pass_at_8")
@@ -172,6 +173,15 @@ EXPERIMENT_ROWS = [
     ("11", L11, "| 11 | reversals' token error after the right prefix: offline / on-policy | {}% / {}% |",
      [("by_task", "long_reverse", "teacher_forced_error_longest_third", arm) for arm in ("offline", "on_policy")],
      100),
+    ("11", L11C, "| 11 | running counts (5 seeds, 1000 test prompts), edit similarity on the longest third (the 14-digit "
+                 "answers): offline / on-policy | {} / {} |",
+     [("edit_similarity_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 1),
+    ("11", L11C, "| 11 | running counts, on-policy over offline, same (95% interval) | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("on_policy_over_offline_longest_third"), 1),
+    ("11", L11C, "| 11 | running counts, share of errors its own prefix caused: offline / on-policy | {}% / {}% |",
+     [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11C, "| 11 | running counts, right after a miscount: the slip carried on, offline / on-policy | {}% / {}% |",
+     [("after_a_slip", arm, "carried", "mean") for arm in ("offline", "on_policy")], 100),
 ]
 
 
@@ -209,7 +219,8 @@ def experiment_figures():
                 value = value[key]
             signs.append("-" if value < 0 else "+")
         for i, path in enumerate(paths):
-            out.append(Figure(f"{lesson} {'.'.join(map(str, path))}", signed_row(row, i, signs), source,
+            design = " running counts" if source == L11C else ""  # the same keys as the long family's record
+            out.append(Figure(f"{lesson}{design} {'.'.join(map(str, path))}", signed_row(row, i, signs), source,
                               (("summary", *path),), combine="abs", scale=scale))
     return out
 
@@ -700,7 +711,7 @@ def test_the_readme_headline_rows_are_rows_of_the_results_page():
     strays = [row for row in rows if row not in page_text(RESULTS).split("\n")]
     assert rows and not strays, (f"README.md's headline rows that docs/results.md does not hold word for word: "
                                  f"{strays}; copy the row from docs/results.md")
-    assert any(f.page == README and f.source in (L02, L08, L11) for f in FIGURES)
+    assert any(f.page == README and f.source in (L02, L08, L11, L11C) for f in FIGURES)
 
 
 @pytest.mark.parametrize("fig", FIGURES, ids=[f.name for f in FIGURES])

@@ -173,7 +173,35 @@ _LONG_SAMPLERS: dict[str, Callable[[random.Random], tuple[str, str, list[str]]]]
     "long_reverse": _long_reverse,
     "long_sort": _long_sort,
 }
-FAMILIES = {"short": (TASKS, _SAMPLERS), "long": (LONG_TASKS, _LONG_SAMPLERS)}
+
+# ---------------------------------------------------------------- the count family (opt-in)
+
+# Running counts: for 6-14 bits, answer digit i is the number of 1s among the first i, mod 10
+# ("cnt 1011=" -> "1123"). Each digit is the one before it plus the next bit, a local rule a
+# model picks up from right prefixes, and which carries a slip into every later digit; a
+# model that also saw wrong prefixes counts from the input again. Lesson 11's second design,
+# where errors compound. Rows fit the long family's lengths ("cnt " + 14 bits + "=": 19 bytes).
+# Prompts are unique and there are only 2^n strings of n bits, so the short lengths run out:
+# a split drawn after others holds mostly long answers (`tunix_nb.experiments.count_family`).
+COUNT_TASKS = ("running_count",)
+
+
+def running_counts(bits: str) -> str:
+    """'1011' -> '1123': each digit the number of 1s up to it, mod 10."""
+    total, out = 0, []
+    for bit in bits:
+        total = (total + int(bit)) % 10
+        out.append(str(total))
+    return "".join(out)
+
+
+def _running_count(rng: random.Random) -> tuple[str, str, list[str]]:
+    bits = "".join(rng.choice("01") for _ in range(rng.randint(LONG_MIN, LONG_MAX)))
+    return f"cnt {bits}=", running_counts(bits), []
+
+
+FAMILIES = {"short": (TASKS, _SAMPLERS), "long": (LONG_TASKS, _LONG_SAMPLERS),
+            "count": (COUNT_TASKS, {"running_count": _running_count})}
 
 
 def _generate(n: int, seed: int, exclude: Iterable[str], preferences: bool, family: str = "short") -> list[dict]:
@@ -208,7 +236,8 @@ def generate_sft(n: int, seed: int, *, exclude: Iterable[str] = (), family: str 
 
     Prompts are unique and never one of `exclude` (to keep eval apart from train).
     `family="long"`: the long family's sub-tasks (`LONG_TASKS`, answers of 6-14 symbols;
-    encode them with `LONG_SEQ_LEN`, generate with `LONG_PROMPT_LEN` and `LONG_MAX_NEW_TOKENS`).
+    encode them with `LONG_SEQ_LEN`, generate with `LONG_PROMPT_LEN` and `LONG_MAX_NEW_TOKENS`);
+    `family="count"`: running counts of 6-14 bits (`COUNT_TASKS`), at the same lengths.
     """
     return _generate(n, seed, exclude, preferences=False, family=family)
 

@@ -6,7 +6,8 @@ of another design on the validation split: `python -m tunix_nb.experiments lesso
 
 `python -m tunix_nb.experiments checkpoints --out data` remakes the long family's two
 shipped checkpoints (`long_family.STUDENT` and `TEACHER`, into data/long_student and
-data/long_teacher) and prints the student's pilot gate.
+data/long_teacher) and prints the student's pilot gate; with `--family count`, the count
+family's (`count_family`, into data/count_student and data/count_teacher).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 ... N-1 (initialisation and data order)")
     parser.add_argument("--out", required=True, help="the JSON record to write (e.g. results/<experiment>.json); "
                         "for `checkpoints`, the folder that gets long_student/ and long_teacher/")
+    parser.add_argument("--family", choices=("long", "count"), default="long",
+                        help="for `checkpoints`: which task family's two checkpoints to remake")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="change one field of the experiment's config (repeatable)")
     args = parser.parse_args(argv)
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
 
     devices.use_compile_cache()
     if args.experiment == "checkpoints":
-        return remake_checkpoints(Path(args.out))
+        return remake_checkpoints(Path(args.out), args.family)
     from tunix_nb.experiments import runner
 
     module = importlib.import_module(f"tunix_nb.experiments.{EXPERIMENTS[args.experiment]}")
@@ -69,9 +72,14 @@ def configured(config_class, assignments: list[str]):
     return config_class(**changes)
 
 
-def remake_checkpoints(out: Path) -> int:
+def remake_checkpoints(out: Path, family: str = "long") -> int:
     from tunix_nb import checkpoint
-    from tunix_nb.experiments import long_family
+    from tunix_nb.experiments import count_family, long_family
+
+    if family == "count":
+        for name, metrics in count_family.remake(out).items():
+            print(f"{name}: {metrics}", flush=True)
+        return 0
 
     for recipe, name in ((long_family.TEACHER, "long_teacher"), (long_family.STUDENT, "long_student")):
         print(f"{name}: {long_family.train_checkpoint(recipe, out / name)}", flush=True)

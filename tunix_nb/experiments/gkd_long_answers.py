@@ -13,6 +13,10 @@ over rows of the same length (`data.LONG_SEQ_LEN`):
 Both train on the generalized JSD (beta 0.5) alone (alpha 1): on-policy rows carry no
 right answer, so the offline arm gets no cross-entropy either.
 
+Two task families (`family`): the long family (reversals and sorts, `long_family`), and
+running counts of bits (`count_family`), where a student that learnt "the digit before plus
+the next bit" carries a slip into every later digit, and the teacher learnt to correct it.
+
 Scored on the test split by edit similarity (it sees errors made after the student's own
 wrong prefix, which exact match cannot), exact match as a control, and by answer length;
 the share of token errors caused by the student's own prefix (`evaluate.errors_by_position`,
@@ -43,13 +47,17 @@ class GkdLongConfig:
     lmbda: float = 1.0  # the on-policy arm's share of steps on the student's own samples (TRL's lmbda)
     offline_first: int = 0  # steps of offline distillation both arms share before they part (a warm start)
     eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
+    family: str = "long"  # "count": running counts, where a slip is carried into every later digit
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family is one of {', '.join(FAMILIES)}; got {self.family!r}.")
         if self.eval_split not in ("test", "validation"):
             raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
 
 
 CONFIG_CLASS = GkdLongConfig
+FAMILIES = {"long": "long_family", "count": "count_family"}  # the module with each family's splits and checkpoints
 
 
 def settings(config: GkdLongConfig) -> list[str]:
@@ -57,10 +65,14 @@ def settings(config: GkdLongConfig) -> list[str]:
 
 
 def prepare(config: GkdLongConfig) -> dict:
-    from tunix_nb.experiments import long_family
+    import importlib
 
-    parts = long_family.splits()
-    return {**parts, "student": long_family.load("student"), "teacher": long_family.load("teacher")}
+    family = importlib.import_module(f"tunix_nb.experiments.{FAMILIES[config.family]}")
+    shared = {**family.splits(), "student": family.load("student"), "teacher": family.load("teacher")}
+    if config.family == "count":  # the record keeps the datasheet's figures of the two checkpoints
+        shared["record"] = {"validation_exact_match": family.validation_exact_match(shared["student"],
+                                                                                    shared["teacher"])}
+    return shared
 
 
 def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
@@ -129,7 +141,12 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
     tasks, longest = np.array([e["task"] for e in test]), longest_third(test)
     right = evaluate.right_tokens_by_row(graphdef, params, [e for e, x in zip(test, longest) if x],
                                           seq_len=data.LONG_SEQ_LEN, **long_family.LENGTHS)
-    return {"scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
+    slip = {}
+    if config.family == "count":  # what it predicts right after a miscount: the right digit, or the slip carried on
+        from tunix_nb.experiments import count_family
+
+        slip = {"after_a_slip": count_family.after_a_slip(graphdef, params, test)}
+    return {**slip, "scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
             "exact_match": [float(a == e["completion"]) for a, e in zip(answers, test)],
             "answer_length": [len(e["completion"]) for e in test], "task": tasks.tolist(),
             "edits": [stats.edit_distance(a, e["completion"]) for a, e in zip(answers, test)],
@@ -179,6 +196,10 @@ def summarise(record: dict) -> dict:
         "exact_match_control": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
         **error_summary(runs),
         "by_task": {task: by_task_summary(runs, long, task) for task in sorted(set(runs["offline"][0]["task"]))},
+        **({"after_a_slip": {arm: {key: {"mean": float(np.mean([r["after_a_slip"][key] for r in runs[arm]])),
+                                         "per_seed": [r["after_a_slip"][key] for r in runs[arm]]}
+                                   for key in ("right", "carried")} for arm in runs}}
+           if "after_a_slip" in runs["offline"][0] else {}),
     }
 
 

@@ -48,6 +48,9 @@ class Recipe:
     batch_size: int = 64
     warmup_steps: int = 50
     seed: int = 0
+    # the share of answer tokens swapped, in the inputs only, for another of the row's: the
+    # targets stay right, so the model learns to carry on after a mistake (0: plain SFT)
+    wrong_prefix_rate: float = 0.0
 
 
 STUDENT = Recipe("student", "student_train", steps=460, stop_at=440, learning_rate=6e-3)
@@ -69,23 +72,44 @@ def splits(n_fresh: int = 8000) -> dict[str, list[dict]]:
     return out
 
 
-def train_checkpoint(recipe: Recipe, out_dir) -> dict:
-    """Train `recipe` and export its params to `out_dir`; returns the run's last metrics."""
+def train_checkpoint(recipe: Recipe, out_dir, examples=None, family: str = "long") -> dict:
+    """Train `recipe` on `examples` (default: this family's split `recipe.split`) and export its
+    params to `out_dir`; returns the run's last metrics."""
     from tunix_nb import checkpoint, model, sft, train
     from tunix_nb.tokenizer import ByteTokenizer
 
-    rows = data.sft_arrays(splits()[recipe.split], ByteTokenizer(), data.LONG_SEQ_LEN)
+    examples = splits()[recipe.split] if examples is None else examples
+    rows = data.sft_arrays(examples, ByteTokenizer(), data.LONG_SEQ_LEN)
     graphdef, params = model.split(model.make_model(recipe.preset, seed=recipe.seed))
     opt = train.make_optimizer(train.OptimizerConfig(learning_rate=recipe.learning_rate,
                                                      warmup_steps=recipe.warmup_steps, total_steps=recipe.steps))
     step_fn = train.make_step(sft.objective(graphdef), opt)
-    params, _, history = train.run(step_fn, params, opt.init(params),
-                                   lambda s: data.batch_at(rows, s, recipe.batch_size, seed=recipe.seed),
-                                   steps=recipe.stop_at, progress=False)
+    batch = lambda s: with_wrong_prefixes(data.batch_at(rows, s, recipe.batch_size, seed=recipe.seed),  # noqa: E731
+                                          recipe.wrong_prefix_rate, seed=(recipe.seed, s))
+    params, _, history = train.run(step_fn, params, opt.init(params), batch, steps=recipe.stop_at, progress=False)
     checkpoint.export_params(params, out_dir, step=recipe.stop_at,
-                             meta={"model": recipe.preset, "recipe": dataclasses.asdict(recipe),
-                                   "family": "long"})
+                             meta={"model": recipe.preset, "recipe": dataclasses.asdict(recipe), "family": family})
     return history[-1]
+
+
+def with_wrong_prefixes(batch: dict, rate: float, *, seed) -> dict:
+    """`batch` with a `rate` share of its answer tokens, as inputs, swapped for another of the
+    row's answer tokens; the targets stay the right answer's, position by position.
+
+    The prediction after a swapped token is still trained towards the right next token, so
+    the model learns to carry on from a wrong prefix as if the mistake were a slip at one
+    position, not to continue it. rate 0: `batch` itself."""
+    if not rate:
+        return batch
+    rng = np.random.default_rng(seed)
+    mask_BxL = batch["loss_mask"] > 0
+    answer_input_BxL = np.zeros_like(mask_BxL)
+    answer_input_BxL[:, 1:] = mask_BxL[:, 1:] & mask_BxL[:, :-1]  # inputs that are answer tokens (not eos)
+    swap_BxL = answer_input_BxL & (rng.random(mask_BxL.shape) < rate)
+    inputs_BxL = batch["inputs"].copy()
+    for row, col in zip(*np.nonzero(swap_BxL)):
+        inputs_BxL[row, col] = inputs_BxL[row, rng.choice(np.flatnonzero(answer_input_BxL[row]))]
+    return {**batch, "inputs": inputs_BxL}
 
 
 def load(which: str = "student"):

@@ -1,0 +1,99 @@
+"""The count family's splits and its two shipped checkpoints: lesson 11's second design.
+
+Running counts of 6-14 bits (`data.COUNT_TASKS`: "cnt 1011=" -> "1123"). Each answer digit
+is the one before it plus the next bit: a model trained on right prefixes can learn that
+local rule, and then a slip is carried into every later digit. That is where on-policy
+distillation should pay (lesson 11), if its teacher counts from the input instead.
+
+- the teacher (`data/count_teacher`): the `teacher` preset, 2000 steps on its 8000
+  examples with a tenth of its answer inputs swapped for another of the row's digits, the
+  targets kept right (`long_family.with_wrong_prefixes`): it learns what comes next after a
+  mistake, and so corrects a student's slip instead of carrying it on;
+- the student (`data/count_student`): the `student` preset, plain SFT on its 6000 examples,
+  stopped at step 280 of a 1200-step schedule at learning rate 6e-3 (partially competent;
+  the step was chosen on the validation split, data/README.md).
+
+Every split is drawn from its own seed, none shares a prompt with another. There are only
+2^n strings of n bits and prompts are unique, so the short lengths run out: the splits hold
+mostly 12-14-bit prompts (data/README.md gives the counts).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from tunix_nb import data
+from tunix_nb.experiments.long_family import Recipe, train_checkpoint
+
+STUDENT_DIR = data.DATA_DIR / "count_student"
+TEACHER_DIR = data.DATA_DIR / "count_teacher"
+SPLIT_SEEDS = {"student_train": 311, "teacher_train": 312, "validation": 313, "test": 314}
+SIZES = {"student_train": 6000, "teacher_train": 8000, "validation": 1000, "test": 1000}
+
+STUDENT = Recipe("student", "student_train", steps=1200, stop_at=280, learning_rate=6e-3)
+TEACHER = Recipe("teacher", "teacher_train", steps=2000, stop_at=2000, learning_rate=2e-3, wrong_prefix_rate=0.1)
+
+
+@cache
+def splits() -> dict[str, list[dict]]:
+    """Every split, each prompt in exactly one of them."""
+    seen: list[str] = []
+    out = {}
+    for name, n in SIZES.items():
+        out[name] = data.generate_sft(n, seed=SPLIT_SEEDS[name], family="count", exclude=seen)
+        seen += [e["prompt"] for e in out[name]]
+    return out
+
+
+def remake(out_dir) -> dict:
+    """Train both checkpoints into out_dir/count_teacher and out_dir/count_student; their last metrics."""
+    from pathlib import Path
+
+    return {name: train_checkpoint(recipe, Path(out_dir) / name, splits()[recipe.split], family="count")
+            for recipe, name in ((TEACHER, "count_teacher"), (STUDENT, "count_student"))}
+
+
+def validation_exact_match(student, teacher) -> dict:
+    """Both checkpoints' greedy exact match on the validation split (the datasheet's figures)."""
+    from tunix_nb.experiments import long_family
+
+    return {name: float(long_family.greedy_correct(*model, splits()["validation"]).mean())
+            for name, model in (("student", student), ("teacher", teacher))}
+
+
+def with_slip(example: dict, k: int) -> dict:
+    """`example` with answer digit k one too high (a miscount), the rest of the answer right."""
+    answer = example["completion"]
+    return {**example, "completion": answer[:k] + str((int(answer[k]) + 1) % 10) + answer[k + 1:]}
+
+
+def after_a_slip(graphdef, params, examples, *, seed: int = 0) -> dict:
+    """What a model predicts right after a slip: each answer, teacher-forced, with one digit k
+    (drawn from `seed`, never the last) one too high. {"right": share whose digit k + 1 is the
+    right one (it counts from the input), "carried": share that is the slip plus the next bit
+    (it carried the slip on, the local rule)}."""
+    import numpy as np
+
+    from tunix_nb import model
+    from tunix_nb.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    rng = np.random.default_rng(seed)
+    slip_at = [int(rng.integers(0, len(e["completion"]) - 1)) for e in examples]
+    slipped = [with_slip(e, k) for e, k in zip(examples, slip_at)]
+    rows = data.sft_arrays(slipped, tok, data.LONG_SEQ_LEN)
+    after_slip = (rows["loss_mask"] > 0).argmax(axis=1) + np.array(slip_at) + 1  # where digit k + 1 is predicted
+    predicted = np.asarray(model.apply(graphdef, params, rows["inputs"], rows["attention_mask"])).argmax(-1)[
+        np.arange(len(examples)), after_slip]
+    next_bit = [int(e["prompt"].removeprefix("cnt ")[k + 1]) for e, k in zip(examples, slip_at)]
+    right = [tok.encode(e["completion"][k + 1])[0] for e, k in zip(examples, slip_at)]
+    carried = [tok.encode(str((int(s["completion"][k]) + b) % 10))[0] for s, k, b in zip(slipped, slip_at, next_bit)]
+    return {"right": float(np.mean(predicted == right)), "carried": float(np.mean(predicted == carried))}
+
+
+def load(which: str = "student"):
+    """(graphdef, params) of the shipped count-family student or teacher."""
+    from tunix_nb import checkpoint
+
+    graphdef, params, _ = checkpoint.load_model(STUDENT_DIR if which == "student" else TEACHER_DIR)
+    return graphdef, params
