@@ -235,3 +235,31 @@ def test_lesson11s_sub_task_summary_counts_the_wrong_answers_edits_and_shifts_by
     assert sort["edits_per_wrong_answer"] == {"offline": 1.0, "on_policy": 1.0}
     summary = gkd_long.summarise({"runs": {gkd_long.HEADLINE: runs}})
     assert summary["by_task"]["long_sort"] == sort
+
+
+def test_after_a_slip_agrees_with_greedy_generation_after_the_slipped_prefix():
+    """`count_family.after_a_slip` (one teacher-forced pass over slipped answers) against another
+    path: the slipped answer's first k + 1 digits put in the prompt, and one greedy token generated
+    (the KV-cache generator, left-padded). The shipped teacher corrects a slip; the student carries
+    many on."""
+    import numpy as np
+
+    from tunix_nb import data, evaluate
+    from tunix_nb.experiments import count_family
+
+    examples = count_family.splits()["validation"][:64]
+    rng = np.random.default_rng(0)  # after_a_slip's draw for seed 0
+    slip_at = [int(rng.integers(0, len(e["completion"]) - 1)) for e in examples]
+    found = {}
+    for which in ("student", "teacher"):
+        graphdef, params = count_family.load(which)
+        prefixes = [e["prompt"] + count_family.with_slip(e, k)["completion"][:k + 1] for e, k in zip(examples, slip_at)]
+        next_digit = [a[:1] for a in evaluate.generate_answers(graphdef, params, prefixes,
+                                                               prompt_len=data.LONG_PROMPT_LEN + data.LONG_MAX_NEW_TOKENS,
+                                                               max_new_tokens=1)]
+        right = np.mean([d == e["completion"][k + 1] for d, e, k in zip(next_digit, examples, slip_at)])
+        carried = np.mean([d == str((int(e["completion"][k]) + 1 + int(e["prompt"][4 + k + 1])) % 10)
+                           for d, e, k in zip(next_digit, examples, slip_at)])
+        found[which] = count_family.after_a_slip(graphdef, params, examples)
+        assert found[which] == {"right": float(right), "carried": float(carried)}, which
+    assert found["teacher"]["right"] > 0.95 and found["student"]["carried"] > 0.25

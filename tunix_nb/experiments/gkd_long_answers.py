@@ -196,11 +196,15 @@ def summarise(record: dict) -> dict:
         "exact_match_control": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
         **error_summary(runs),
         "by_task": {task: by_task_summary(runs, long, task) for task in sorted(set(runs["offline"][0]["task"]))},
-        **({"after_a_slip": {arm: {key: {"mean": float(np.mean([r["after_a_slip"][key] for r in runs[arm]])),
-                                         "per_seed": [r["after_a_slip"][key] for r in runs[arm]]}
-                                   for key in ("right", "carried")} for arm in runs}}
-           if "after_a_slip" in runs["offline"][0] else {}),
+        **({"after_a_slip": slip_summary(runs)} if "after_a_slip" in runs["offline"][0] else {}),
     }
+
+
+def slip_summary(runs: dict) -> dict:
+    """The count family's `after_a_slip` shares (right digit, slip carried on), per arm: mean and per seed."""
+    per_seed = lambda arm, key: [r["after_a_slip"][key] for r in runs[arm]]  # noqa: E731
+    return {arm: {key: {"mean": float(np.mean(per_seed(arm, key))), "per_seed": per_seed(arm, key)}
+                  for key in ("right", "carried")} for arm in runs}
 
 
 def error_summary(figures_by_arm: dict) -> dict:
