@@ -21,9 +21,10 @@ mostly 12-14-bit prompts (data/README.md gives the counts).
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 from tunix_nb import data
-from tunix_nb.experiments.long_family import Recipe, train_checkpoint
+from tunix_nb.experiments.long_family import Recipe, greedy_correct, train_checkpoint
 
 STUDENT_DIR = data.DATA_DIR / "count_student"
 TEACHER_DIR = data.DATA_DIR / "count_teacher"
@@ -47,17 +48,13 @@ def splits() -> dict[str, list[dict]]:
 
 def remake(out_dir) -> dict:
     """Train both checkpoints into out_dir/count_teacher and out_dir/count_student; their last metrics."""
-    from pathlib import Path
-
     return {name: train_checkpoint(recipe, Path(out_dir) / name, splits()[recipe.split], family="count")
             for recipe, name in ((TEACHER, "count_teacher"), (STUDENT, "count_student"))}
 
 
 def validation_exact_match(student, teacher) -> dict:
     """Both checkpoints' greedy exact match on the validation split (the datasheet's figures)."""
-    from tunix_nb.experiments import long_family
-
-    return {name: float(long_family.greedy_correct(*model, splits()["validation"]).mean())
+    return {name: float(greedy_correct(*model, splits()["validation"]).mean())
             for name, model in (("student", student), ("teacher", teacher))}
 
 
