@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tunix_nb.experiments import gkd_long_answers, grpo_pass_at_k, scarce_labels, stats
+from tunix_nb.experiments import count_family, gkd_long_answers, grpo_pass_at_k, scarce_labels, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -245,6 +245,16 @@ def test_lesson11s_count_design_is_the_validation_pilot_with_the_largest_gain(le
     best = max(pilots, key=lambda p: p["summary"]["on_policy_over_offline_longest_third"]["mean"])
     settings = lambda config: {k: v for k, v in config.items() if k != "eval_split"}  # noqa: E731
     assert settings(best["config"]) == settings(lesson11_count[0]["config"])
+
+
+def test_lesson11_count_pilots_that_correct_more_slips_err_more_after_the_right_prefix():
+    """Lesson 11's reading of the count pilots: what on-policy training corrects (fewer slips
+    carried on) rises with what it costs (teacher-forced error), pilot by pilot."""
+    pairs = [count_family.correction_and_cost(json.loads(p.read_text())["summary"]) for p in COUNT_PILOTS]
+    assert len(pairs) >= 12
+    rho = stats.rank_correlation([p["corrected"] for p in pairs], [p["cost"] for p in pairs])
+    assert rho >= 0.5, f"rank correlation {rho:.2f}: lesson 11 says the two rise together"
+    assert f"rank correlation {rho:.2f}" in " ".join(markdown("11_on_policy_distillation").split())
 
 
 def test_the_datasheet_quotes_the_count_checkpoints_validation_exact_match(lesson11_count):

@@ -81,6 +81,25 @@ def test_edit_distance_is_levenshteins(a, b, distance):
     assert stats.edit_distance(a, b) == distance == stats.edit_distance(b, a)
 
 
+def test_rank_correlation_is_spearmans_closed_form_without_ties():
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=12), rng.normal(size=12)
+    d = xs.argsort().argsort() - ys.argsort().argsort()  # rank differences
+    assert stats.rank_correlation(xs, ys) == pytest.approx(1 - 6 * (d ** 2).sum() / (12 * (12 ** 2 - 1)))
+    assert stats.rank_correlation(xs, np.exp(3 * xs)) == pytest.approx(1.0)  # any monotone rise
+    assert stats.rank_correlation(xs, -xs) == pytest.approx(-1.0)
+
+
+def test_rank_correlation_gives_ties_their_mean_rank_and_refuses_short_input():
+    # ranks (0.5, 0.5, 2, 3) against (0, 1, 2, 3): Pearson's correlation by hand
+    a, b = np.array([0.5, 0.5, 2, 3]), np.arange(4.0)
+    expected = ((a - a.mean()) * (b - b.mean())).sum() / np.sqrt(((a - a.mean()) ** 2).sum() * ((b - b.mean()) ** 2).sum())
+    assert stats.rank_correlation([7, 7, 8, 9], [1, 2, 3, 4]) == pytest.approx(expected)
+    assert stats.rank_correlation([0.1 + 0.2, 0.3, 0.4, 0.5], [1, 2, 3, 4]) == pytest.approx(expected)  # float rounding ties
+    with pytest.raises(ValueError, match="same length, at least 3"):
+        stats.rank_correlation([1, 2], [1, 2])
+
+
 def test_edit_similarity_credits_a_long_answer_with_one_slip():
     assert stats.edit_similarity("danisubegeke", "danisubegeke") == 1.0
     assert stats.edit_similarity("danisubgeke", "danisubegeke") == pytest.approx(11 / 12)  # one letter dropped

@@ -88,6 +88,17 @@ def after_a_slip(graphdef, params, examples, *, seed: int = 0) -> dict:
     return {"right": float(np.mean(predicted == right)), "carried": float(np.mean(predicted == carried))}
 
 
+def correction_and_cost(summary: dict) -> dict:
+    """What on-policy training bought and what it paid, from a lesson11_gkd summary on this
+    family: {"corrected": how much less often than offline the on-policy student carries a
+    slip on (`after_a_slip`), "cost": how much more often it errs after the right prefix
+    (teacher-forced token error, longest third)}. Both as fractions; the pilots set one
+    against the other (lesson 11)."""
+    carried, forced = summary["after_a_slip"], summary["teacher_forced_error_longest_third"]
+    return {"corrected": carried["offline"]["carried"]["mean"] - carried["on_policy"]["carried"]["mean"],
+            "cost": forced["on_policy"] - forced["offline"]}
+
+
 def load(which: str = "student"):
     """(graphdef, params) of the shipped count-family student or teacher."""
     from tunix_nb import checkpoint

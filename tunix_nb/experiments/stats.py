@@ -94,3 +94,23 @@ def edit_similarity(prediction: str, reference: str) -> float:
     after the model's own wrong prefix."""
     longest = max(len(prediction), len(reference))
     return 1.0 if longest == 0 else 1.0 - edit_distance(prediction, reference) / longest
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties share their mean
+    rank). 1 when y rises with x, whatever the shape of the rise; it asks whether two figures
+    move together across runs without assuming a straight line between them."""
+    if len(xs) != len(ys) or len(xs) < 3:
+        raise ValueError(f"rank_correlation needs two sequences of the same length, at least 3; got {len(xs)} and {len(ys)}.")
+    return float(np.corrcoef(_ranks(xs), _ranks(ys))[0, 1])
+
+
+def _ranks(values: Sequence[float]) -> np.ndarray:
+    # equal figures summed in different orders differ in their last bits: round so they tie
+    values = np.round(np.asarray(values, dtype=float), 12)
+    order = values.argsort(kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(len(values))
+    for value in np.unique(values):  # ties: their mean rank
+        ranks[values == value] = ranks[values == value].mean()
+    return ranks
