@@ -257,6 +257,32 @@ def test_lesson11_count_pilots_that_correct_more_slips_err_more_after_the_right_
     assert f"rank correlation {rho:.2f}" in " ".join(markdown("11_on_policy_distillation").split())
 
 
+COUNT_DIAGNOSTICS = sorted((RESULTS / "lesson11_count_diagnostics").glob("*.json"))
+
+
+def test_lesson11s_diagnostic_arms_corrections_taught_offline_cost_the_same():
+    """Lesson 11's diagnostic: offline arms taught corrections without sampling (their answer
+    inputs swapped), on validation, beside the chosen pilot, whose on-policy arm they repeat
+    exactly; the more they are taught, the fewer slips they carry on and the more they err
+    after the right prefix."""
+    chosen = json.loads((RESULTS / "lesson11_count_pilots" / "steps_40.json").read_text())
+    without_seconds = lambda runs: [{k: v for k, v in r.items() if k != "seconds"} for r in runs]  # noqa: E731
+    arms = [chosen["summary"]]
+    for path in COUNT_DIAGNOSTICS:
+        record = json.loads(path.read_text())
+        config = dict(record["config"])
+        rate = config.pop("offline_slip_rate")
+        assert rate > 0 and config == chosen["config"], f"{path.name}: the chosen pilot's settings, on validation"
+        assert f"--set offline_slip_rate={rate} --out results/lesson11_count_diagnostics/{path.name}" in record["command"]
+        assert without_seconds(record["runs"]["long"]["on_policy"]) == without_seconds(chosen["runs"]["long"]["on_policy"])
+        assert_same_summary(gkd_long_answers.summarise(record), record["summary"])
+        arms.append(record["summary"])
+    assert len(arms) == 3
+    carried = [a["after_a_slip"]["offline"]["carried"]["mean"] for a in arms]
+    forced = [a["teacher_forced_error_longest_third"]["offline"] for a in arms]
+    assert carried == sorted(carried, reverse=True) and forced == sorted(forced)
+
+
 def test_the_datasheet_quotes_the_count_checkpoints_validation_exact_match(lesson11_count):
     em = lesson11_count[0]["setup"]["validation_exact_match"]
     rows = {line.split("|")[1].strip(): line for line in (ROOT / "data" / "README.md").read_text().splitlines()

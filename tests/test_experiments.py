@@ -197,6 +197,26 @@ def test_wrong_prefixes_swap_answer_inputs_for_another_of_the_rows_digits_and_ke
     np.testing.assert_array_equal(with_wrong_prefixes(rows, 0.1, seed=(0, 3))["inputs"], swapped["inputs"])
 
 
+def test_lesson11s_offline_slip_rate_swaps_the_offline_arms_answer_inputs_and_nothing_else():
+    """The diagnostic arm: offline batches with a share of their answer inputs swapped, the
+    same rows in the same order as plain offline batches, and plain batches at rate 0."""
+    import numpy as np
+
+    from tunix_nb import data
+    from tunix_nb.experiments import gkd_long_answers as gkd_long
+
+    shared = {"teacher_train": data.generate_sft(64, seed=0, family="count")}
+    plain = gkd_long.offline_batches(0, gkd_long.GkdLongConfig(batch_size=16), shared)
+    slipped = gkd_long.offline_batches(0, gkd_long.GkdLongConfig(batch_size=16, offline_slip_rate=0.3), shared)
+    for step in (0, 5):
+        a, b = plain(step), slipped(step)
+        for key in ("targets", "loss_mask", "attention_mask"):
+            np.testing.assert_array_equal(a[key], b[key])
+        changed = a["inputs"] != b["inputs"]
+        assert changed.any() and not (changed & (a["loss_mask"] == 0)).any()  # answer inputs only
+        np.testing.assert_array_equal(slipped(step)["inputs"], b["inputs"])  # drawn from (seed, step)
+
+
 def test_lesson11s_warm_start_is_offline_distillation_shared_by_both_arms_of_a_seed():
     """`offline_first`: both arms of a seed start from the same student, trained offline
     first (once, cached); the offline arm then carries on with the batches after those."""

@@ -48,6 +48,10 @@ class GkdLongConfig:
     offline_first: int = 0  # steps of offline distillation both arms share before they part (a warm start)
     eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
     family: str = "long"  # "count": running counts, where a slip is carried into every later digit
+    # a diagnostic, not a design: the offline arm's answer inputs swapped at this rate
+    # (`long_family.with_wrong_prefixes`), the teacher scoring every position, so that it is
+    # taught corrections too, without sampling (0: the dataset's answers as they are)
+    offline_slip_rate: float = 0.0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -106,12 +110,16 @@ def distill_step(config: GkdLongConfig, graphdef, teacher_graphdef):
 
 
 def offline_batches(seed: int, config: GkdLongConfig, shared: dict, first: int = 0):
-    """step -> the offline batch: the dataset's answers, in seed's order, from batch `first` on."""
+    """step -> the offline batch: the dataset's answers, in seed's order, from batch `first` on
+    (with `config.offline_slip_rate` of their answer inputs swapped)."""
     from tunix_nb import data
     from tunix_nb.tokenizer import ByteTokenizer
 
+    from tunix_nb.experiments.long_family import with_wrong_prefixes
+
     rows = data.sft_arrays(shared["teacher_train"], ByteTokenizer(), data.LONG_SEQ_LEN)
-    return lambda step: data.batch_at(rows, first + step, config.batch_size, seed=seed)
+    return lambda step: with_wrong_prefixes(data.batch_at(rows, first + step, config.batch_size, seed=seed),
+                                            config.offline_slip_rate, seed=(seed, first + step))
 
 
 def warm_start(seed: int, config: GkdLongConfig, shared: dict):
