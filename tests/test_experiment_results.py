@@ -33,6 +33,8 @@ QUOTED_GAINS = [
     ("11_on_policy_distillation", "lesson11_gkd", ("by_task", "long_sort", "on_policy_over_offline"), SIMILARITY),
     ("11_on_policy_distillation", "lesson11_gkd_count", ("on_policy_over_offline_longest_third",), SIMILARITY),
     ("11_on_policy_distillation", "lesson11_gkd_count", ("exact_match_control",), {}),
+    ("11_on_policy_distillation", "lesson11_gkd_small_student", ("on_policy_over_offline_longest_third",), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_small_student", ("exact_match_control",), {}),
 ]
 
 
@@ -97,11 +99,20 @@ def lesson11_count():
     return rec, gkd_long_answers.summarise(rec)
 
 
+@pytest.fixture(scope="module")
+def lesson11_small():
+    """Lesson 11's third design: running counts with a one-layer student at its floor."""
+    rec = record("lesson11_gkd_small_student")
+    return rec, gkd_long_answers.summarise(rec)
+
+
 @pytest.mark.parametrize("name, command", [
     ("lesson02_distillation", "python -m tunix_nb.experiments lesson02_distillation --seeds 5"),
     ("lesson08_grpo", "python -m tunix_nb.experiments lesson08_grpo --seeds 5"),
     ("lesson11_gkd", "python -m tunix_nb.experiments lesson11_gkd --seeds 5"),
     ("lesson11_gkd_count", "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count"),
+    ("lesson11_gkd_small_student",
+     "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count --set student=small_student"),
 ])
 def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name, command):
     rec = record(name)
@@ -111,9 +122,9 @@ def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name,
             assert len(runs) == 5 and {len(r["scores"]) for r in runs} == {1000}
 
 
-def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11, lesson11_count):
+def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11, lesson11_count, lesson11_small):
     """The summary written beside the runs is recomputed from them, not edited."""
-    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count):
+    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count, lesson11_small):
         assert_same_summary(summary, rec["summary"])
 
 
@@ -226,25 +237,53 @@ def test_lesson11_on_running_counts_on_policy_corrects_more_miscounts_and_carrie
     assert positive_seeds(gain) in " ".join(markdown("11_on_policy_distillation").split())
 
 
+def test_lesson11_with_a_student_at_its_floor_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(
+        lesson11_small):
+    """Lesson 11's target, met on the third design: the mean paired gain over five seeds, its
+    interval over seeds and test prompts above zero."""
+    rec, summary = lesson11_small
+    assert rec["config"]["eval_split"] == "test" and rec["config"]["student"] == "small_student"
+    gain = summary["on_policy_over_offline_longest_third"]
+    assert gain["mean"] > 0 and gain["ci95"][0] > 0
+    assert positive_seeds(gain) in " ".join(markdown("11_on_policy_distillation").split())
+
+
+@pytest.mark.xfail(strict=True, reason="missed on the third design: with the small student the share falls from 52% "
+                   "to 47%, not to half (lesson 11)")
+def test_lesson11_with_a_student_at_its_floor_on_policy_halves_the_share_of_errors_its_own_prefix_causes(
+        lesson11_small):
+    share = lesson11_small[1]["own_prefix_share_longest_third"]
+    assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
+
+
 COUNT_PILOTS = sorted((RESULTS / "lesson11_count_pilots").glob("*.json"))
+SMALL_PILOTS = sorted((RESULTS / "lesson11_small_student_pilots").glob("*.json"))
+# each count-family design's pilots: (their folder, the flags their command starts with)
+COUNT_DESIGNS = {"lesson11_count_pilots": "--set family=count --set eval_split=validation",
+                 "lesson11_small_student_pilots":
+                     "--set family=count --set student=small_student --set eval_split=validation"}
 
 
-@pytest.mark.parametrize("path", COUNT_PILOTS, ids=[p.stem for p in COUNT_PILOTS])
+@pytest.mark.parametrize("path", COUNT_PILOTS + SMALL_PILOTS,
+                         ids=[f"{p.parent.name}-{p.stem}" for p in COUNT_PILOTS + SMALL_PILOTS])
 def test_lesson11_count_pilots_were_scored_on_validation_with_their_command(path):
     pilot = json.loads(path.read_text())
     assert pilot["config"]["eval_split"] == "validation" and pilot["config"]["family"] == "count", path.name
-    assert "--set family=count --set eval_split=validation" in pilot["command"] and (
-        f"--out results/lesson11_count_pilots/{path.name}" in pilot["command"]), f"{path.name}: its command"
+    assert COUNT_DESIGNS[path.parent.name] in pilot["command"] and (
+        f"--out results/{path.parent.name}/{path.name}" in pilot["command"]), f"{path.name}: its command"
     assert_same_summary(gkd_long_answers.summarise(pilot), pilot["summary"])
 
 
-def test_lesson11s_count_design_is_the_validation_pilot_with_the_largest_gain(lesson11_count):
-    """The stored test run's settings were chosen on validation: the pilot whose gain was largest."""
-    pilots = [json.loads(p.read_text()) for p in COUNT_PILOTS]
-    assert len(pilots) >= 6
+@pytest.mark.parametrize("pilots, design, at_least", [(COUNT_PILOTS, "lesson11_count", 6),
+                                                       (SMALL_PILOTS, "lesson11_small", 2)])
+def test_lesson11s_count_designs_are_the_validation_pilots_with_the_largest_gain(pilots, design, at_least, request):
+    """Each stored test run's settings were chosen on validation: the pilot whose gain was largest."""
+    stored = request.getfixturevalue(design)[0]
+    pilots = [json.loads(p.read_text()) for p in pilots]
+    assert len(pilots) >= at_least
     best = max(pilots, key=lambda p: p["summary"]["on_policy_over_offline_longest_third"]["mean"])
     settings = lambda config: {k: v for k, v in config.items() if k != "eval_split"}  # noqa: E731
-    assert settings(best["config"]) == settings(lesson11_count[0]["config"])
+    assert settings(best["config"]) == settings(stored["config"])
 
 
 def test_lesson11_count_pilots_that_correct_more_slips_err_more_after_the_right_prefix():
@@ -260,27 +299,40 @@ def test_lesson11_count_pilots_that_correct_more_slips_err_more_after_the_right_
 COUNT_DIAGNOSTICS = sorted((RESULTS / "lesson11_count_diagnostics").glob("*.json"))
 
 
-def test_lesson11s_diagnostic_arms_corrections_taught_offline_cost_the_same():
+def test_lesson11s_diagnostic_arms_corrections_taught_offline_cost_right_prefixes():
     """Lesson 11's diagnostic: offline arms taught corrections without sampling (their answer
-    inputs swapped), on validation, beside the chosen pilot, whose on-policy arm they repeat
-    exactly; the more they are taught, the fewer slips they carry on and the more they err
-    after the right prefix."""
+    inputs swapped), and their untaught controls (the same rows, nothing after a swap in the
+    loss), on validation beside the chosen pilot, whose on-policy arm they repeat exactly.
+    Taught: the more swapped, the fewer slips carried on and the more errors after the right
+    prefix. Untaught: no fewer slips carried on, yet much of the same price."""
     chosen = json.loads((RESULTS / "lesson11_count_pilots" / "steps_40.json").read_text())
     without_seconds = lambda runs: [{k: v for k, v in r.items() if k != "seconds"} for r in runs]  # noqa: E731
-    arms = [chosen["summary"]]
+    plain = count_figures(chosen["summary"])
+    arms = {}
     for path in COUNT_DIAGNOSTICS:
         record = json.loads(path.read_text())
         config = dict(record["config"])
-        rate = config.pop("offline_slip_rate")
+        rate, taught = config.pop("offline_slip_rate"), config.pop("offline_slip_taught")
         assert rate > 0 and config == chosen["config"], f"{path.name}: the chosen pilot's settings, on validation"
-        assert f"--set offline_slip_rate={rate} --out results/lesson11_count_diagnostics/{path.name}" in record["command"]
+        assert (f"--set offline_slip_rate={rate}" + ("" if taught else " --set offline_slip_taught=false")
+                + f" --out results/lesson11_count_diagnostics/{path.name}") in record["command"]
         assert without_seconds(record["runs"]["long"]["on_policy"]) == without_seconds(chosen["runs"]["long"]["on_policy"])
         assert_same_summary(gkd_long_answers.summarise(record), record["summary"])
-        arms.append(record["summary"])
-    assert len(arms) == 3
-    carried = [a["after_a_slip"]["offline"]["carried"]["mean"] for a in arms]
-    forced = [a["teacher_forced_error_longest_third"]["offline"] for a in arms]
-    assert carried == sorted(carried, reverse=True) and forced == sorted(forced)
+        arms[rate, taught] = count_figures(record["summary"])
+    assert sorted(arms) == [(0.1, False), (0.1, True), (0.3, False), (0.3, True)]
+    taught = [plain, arms[0.1, True], arms[0.3, True]]
+    assert [a["carried"] for a in taught] == sorted((a["carried"] for a in taught), reverse=True)
+    assert [a["forced"] for a in taught] == sorted(a["forced"] for a in taught)
+    for rate in (0.1, 0.3):
+        untaught, cost = arms[rate, False], arms[rate, True]["forced"] - plain["forced"]
+        assert abs(untaught["carried"] - plain["carried"]) < 0.03, f"rate {rate}: untaught rows correct nothing"
+        assert untaught["forced"] - plain["forced"] >= 0.4 * cost > 0, f"rate {rate}: much of the same price"
+
+
+def count_figures(summary: dict) -> dict:
+    """The offline arm's slips carried on and error after the right prefix."""
+    return {"carried": summary["after_a_slip"]["offline"]["carried"]["mean"],
+            "forced": summary["teacher_forced_error_longest_third"]["offline"]}
 
 
 def test_the_datasheet_quotes_the_count_checkpoints_validation_exact_match(lesson11_count):
@@ -291,10 +343,20 @@ def test_the_datasheet_quotes_the_count_checkpoints_validation_exact_match(lesso
     assert f"validation exact match {em['student']:.1%}" in rows["`count_student/`"]
 
 
+
+def test_the_datasheet_quotes_the_small_students_validation_exact_match(lesson11_small):
+    em = lesson11_small[0]["setup"]["validation_exact_match"]["student"]
+    row = next(line for line in (ROOT / "data" / "README.md").read_text().splitlines()
+               if line.startswith("| `count_small_student/`"))
+    assert f"validation exact match {em:.1%}" in row
+
+
 def positive_seeds(gain: dict) -> str:
     """How the lesson words a five-seed gain's sign count: "positive on three seeds of five"."""
-    words = ["no", "one", "two", "three", "four", "all five"][sum(g > 0 for g in gain["per_seed"])]
-    return f"positive on {words} seeds of five"
+    positive = sum(g > 0 for g in gain["per_seed"])
+    if positive == len(gain["per_seed"]) == 5:
+        return "positive on all five seeds"
+    return f"positive on {['no', 'one', 'two', 'three', 'four'][positive]} seeds of five"
 
 
 def markdown(notebook: str) -> str:

@@ -172,6 +172,13 @@ def test_set_changes_one_config_field_by_its_type_and_names_the_fields_when_wron
     assert configured(GkdLongConfig, ["family=count"]).family == "count"
     with pytest.raises(ValueError, match="family is one of long, count; got 'short'"):
         configured(GkdLongConfig, ["family=short"])
+    assert configured(GkdLongConfig, ["family=count", "student=small_student"]).student == "small_student"
+    with pytest.raises(ValueError, match="'small_student' with family=count; got 'small_student' with family='long'"):
+        configured(GkdLongConfig, ["student=small_student"])
+    assert configured(GkdLongConfig, ["offline_slip_taught=False"]).offline_slip_taught is False  # not bool("False")
+    assert configured(GkdLongConfig, ["offline_slip_taught=true"]).offline_slip_taught is True
+    with pytest.raises(ValueError, match="offline_slip_taught must be bool, got 'no'"):
+        configured(GkdLongConfig, ["offline_slip_taught=no"])
 
 
 def test_wrong_prefixes_swap_answer_inputs_for_another_of_the_rows_digits_and_keep_every_target():
@@ -199,7 +206,8 @@ def test_wrong_prefixes_swap_answer_inputs_for_another_of_the_rows_digits_and_ke
 
 def test_lesson11s_offline_slip_rate_swaps_the_offline_arms_answer_inputs_and_nothing_else():
     """The diagnostic arm: offline batches with a share of their answer inputs swapped, the
-    same rows in the same order as plain offline batches, and plain batches at rate 0."""
+    same rows in the same order as plain offline batches; its control leaves every position
+    after a row's first swap out of the loss."""
     import numpy as np
 
     from tunix_nb import data
@@ -215,6 +223,18 @@ def test_lesson11s_offline_slip_rate_swaps_the_offline_arms_answer_inputs_and_no
         changed = a["inputs"] != b["inputs"]
         assert changed.any() and not (changed & (a["loss_mask"] == 0)).any()  # answer inputs only
         np.testing.assert_array_equal(slipped(step)["inputs"], b["inputs"])  # drawn from (seed, step)
+
+    # the control: the same swapped rows, nothing from a row's first swap on in the loss
+    control = gkd_long.offline_batches(0, gkd_long.GkdLongConfig(batch_size=16, offline_slip_rate=0.3,
+                                                                 offline_slip_taught=False), shared)
+    a, b, c = plain(2), slipped(2), control(2)
+    np.testing.assert_array_equal(c["inputs"], b["inputs"])
+    for row in range(16):
+        swaps = np.flatnonzero(b["inputs"][row] != a["inputs"][row])
+        cut = swaps[0] if len(swaps) else a["inputs"].shape[1]
+        np.testing.assert_array_equal(c["loss_mask"][row, :cut], a["loss_mask"][row, :cut])
+        assert not c["loss_mask"][row, cut:].any()
+    assert 0 < c["loss_mask"].sum() < a["loss_mask"].sum()
 
 
 def test_lesson11s_warm_start_is_offline_distillation_shared_by_both_arms_of_a_seed():
@@ -302,3 +322,18 @@ def test_after_a_slip_agrees_with_greedy_generation_after_the_slipped_prefix():
         found[which] = count_family.after_a_slip(graphdef, params, examples)
         assert found[which] == {"right": float(right), "carried": float(carried)}, which
     assert found["teacher"]["right"] > 0.95 and found["student"]["carried"] > 0.25
+
+
+def test_count_family_loads_its_three_checkpoints_each_made_by_its_recipe():
+    import dataclasses
+
+    from tunix_nb import checkpoint, model
+    from tunix_nb.experiments import count_family
+
+    for which, (recipe, directory) in count_family.CHECKPOINTS.items():
+        graphdef, params = count_family.load(which)
+        meta = checkpoint.load_meta(directory)
+        assert meta["recipe"] == dataclasses.asdict(recipe) and meta["model"] == recipe.preset, which
+        assert model.count_params(params) == model.count_params(model.split(model.make_model(recipe.preset))[1])
+    with pytest.raises(ValueError, match="one of teacher, student, small_student; got 'tiny'"):
+        count_family.load("tiny")

@@ -95,10 +95,13 @@ ALLOWED_SMALL = {
         r"^(lmbda [\d.]+, T [\d.]+, β [\d.]+, \d+ steps|\d+ offline steps, then \d+) +[-+]\d\.\d{4} \(95% interval":
             "a pilot's gain read from its stored record in results/lesson11_pilots/, not computed here",
         r"^on-policy - offline, edit similarity, (longest third|all answers): +[-+]\d\.\d{4} \(95% interval":
-            "the five-seed gain read from the stored results/lesson11_gkd.json (or lesson11_gkd_count.json), "
+            "the five-seed gain read from the stored results/lesson11_gkd.json (or its count and small-student twins), "
             "not computed here",
         r"^T [\d.]+, \d+ steps at learning rate [\d.]+(, β [\d.]+)?(, lmbda [\d.]+)? +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} \(95% interval":
             "a count-family pilot's settings and gain read from its stored record in results/lesson11_count_pilots/",
+        r"^ +\d+ steps at learning rate [\d.]+ +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} \(95% interval":
+            "a small-student pilot's settings and gain read from its stored record in "
+            "results/lesson11_small_student_pilots/",
         r"^  edit similarity [-+]\d\.\d{4} \(95% interval":
             "a sub-task's five-seed gain read from the stored results/lesson11_gkd.json, not computed here",
     },

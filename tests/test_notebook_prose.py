@@ -53,7 +53,8 @@ QUOTES_RESULTS = {
     "10_lora_qlora": [("bench.json", "figures", "lora_exact_match_over_full"),
                       ("bench.json", "figures", "lora_optimizer_state_share"),
                       ("bench.json", "figures", "lora_step_time_ratio")],
-    "11_on_policy_distillation": [("lesson11_gkd.json",), ("lesson11_gkd_count.json",)],
+    "11_on_policy_distillation": [("lesson11_gkd.json",), ("lesson11_gkd_count.json",),
+                                  ("lesson11_gkd_small_student.json",)],
 }
 
 # notebook -> {a phrase of its prose, literally: why the number in it is no measurement}

@@ -123,6 +123,7 @@ N08, N09, N10, N11 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora", "11_on_pol
 N12 = "12_your_model_and_data"
 L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gkd.json"
 L11C = "lesson11_gkd_count.json"  # lesson 11's second design, running counts
+L11S = "lesson11_gkd_small_student.json"  # its third design, running counts with a student at its floor
 
 
 GATE = ("greedy", "pass_at_1", "pass_at_8")
@@ -182,6 +183,15 @@ EXPERIMENT_ROWS = [
      [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
     ("11", L11C, "| 11 | running counts, right after a miscount: the slip carried on, offline / on-policy | {}% / {}% |",
      [("after_a_slip", arm, "carried", "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11S, "| 11 | running counts, a student at its floor (5 seeds, 1000 test prompts), edit similarity on the "
+                 "14-digit answers: offline / on-policy | {} / {} |",
+     [("edit_similarity_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 1),
+    ("11", L11S, "| 11 | a student at its floor, on-policy over offline, same (95% interval) | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("on_policy_over_offline_longest_third"), 1),
+    ("11", L11S, "| 11 | a student at its floor, free-running token error: offline / on-policy | {}% / {}% |",
+     [("free_running_error_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11S, "| 11 | a student at its floor, share of errors its own prefix caused: offline / on-policy | {}% / {}% |",
+     [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
 ]
 
 
@@ -219,7 +229,7 @@ def experiment_figures():
                 value = value[key]
             signs.append("-" if value < 0 else "+")
         for i, path in enumerate(paths):
-            design = " running counts" if source == L11C else ""  # the same keys as the long family's record
+            design = {L11C: " running counts", L11S: " small student"}.get(source, "")  # keys shared across designs
             out.append(Figure(f"{lesson}{design} {'.'.join(map(str, path))}", signed_row(row, i, signs), source,
                               (("summary", *path),), combine="abs", scale=scale))
     return out
@@ -711,7 +721,7 @@ def test_the_readme_headline_rows_are_rows_of_the_results_page():
     strays = [row for row in rows if row not in page_text(RESULTS).split("\n")]
     assert rows and not strays, (f"README.md's headline rows that docs/results.md does not hold word for word: "
                                  f"{strays}; copy the row from docs/results.md")
-    assert any(f.page == README and f.source in (L02, L08, L11, L11C) for f in FIGURES)
+    assert any(f.page == README and f.source in (L02, L08, L11, L11C, L11S) for f in FIGURES)
 
 
 @pytest.mark.parametrize("fig", FIGURES, ids=[f.name for f in FIGURES])

@@ -7,7 +7,8 @@ of another design on the validation split: `python -m tunix_nb.experiments lesso
 `python -m tunix_nb.experiments checkpoints --out data` remakes the long family's two
 shipped checkpoints (`long_family.STUDENT` and `TEACHER`, into data/long_student and
 data/long_teacher) and prints the student's pilot gate; with `--family count`, the count
-family's (`count_family`, into data/count_student and data/count_teacher).
+family's three (`count_family`, into data/count_student, data/count_teacher and
+data/count_small_student).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="the JSON record to write (e.g. results/<experiment>.json); "
                         "for `checkpoints`, the folder that gets long_student/ and long_teacher/")
     parser.add_argument("--family", choices=("long", "count"), default="long",
-                        help="for `checkpoints`: which task family's two checkpoints to remake")
+                        help="for `checkpoints`: which task family's checkpoints to remake")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="change one field of the experiment's config (repeatable)")
     args = parser.parse_args(argv)
@@ -66,10 +67,19 @@ def configured(config_class, assignments: list[str]):
             raise ValueError(f"--set {text}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
         kind = type(getattr(config_class(), name))
         try:
-            changes[name] = kind(value)
+            changes[name] = read_bool(value) if kind is bool else kind(value)
         except ValueError:
             raise ValueError(f"--set {text}: {name} must be {kind.__name__}, got {value!r}") from None
     return config_class(**changes)
+
+
+def read_bool(value: str) -> bool:
+    """"true"/"false" (any case), "1"/"0": bool("false") would be True."""
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise ValueError(value)
 
 
 def remake_checkpoints(out: Path, family: str = "long") -> int:

@@ -12,6 +12,10 @@ distillation should pay (lesson 11), if its teacher counts from the input instea
 - the student (`data/count_student`): the `student` preset, plain SFT on its 6000 examples,
   stopped at step 280 of a 1200-step schedule at learning rate 6e-3 (partially competent;
   the step was chosen on the validation split, data/README.md).
+- the small student (`data/count_small_student`): the `tiny` preset (one layer), plain SFT
+  on the same examples for the whole of a 2000-step schedule at learning rate 6e-3: a
+  student near the floor of what it can learn, where DAgger's argument applies (lesson 11's
+  third design).
 
 Every split is drawn from its own seed, none shares a prompt with another. There are only
 2^n strings of n bits and prompts are unique, so the short lengths run out: the splits hold
@@ -28,11 +32,15 @@ from tunix_nb.experiments.long_family import Recipe, greedy_correct, train_check
 
 STUDENT_DIR = data.DATA_DIR / "count_student"
 TEACHER_DIR = data.DATA_DIR / "count_teacher"
+SMALL_STUDENT_DIR = data.DATA_DIR / "count_small_student"
 SPLIT_SEEDS = {"student_train": 311, "teacher_train": 312, "validation": 313, "test": 314}
 SIZES = {"student_train": 6000, "teacher_train": 8000, "validation": 1000, "test": 1000}
 
 STUDENT = Recipe("student", "student_train", steps=1200, stop_at=280, learning_rate=6e-3)
 TEACHER = Recipe("teacher", "teacher_train", steps=2000, stop_at=2000, learning_rate=2e-3, wrong_prefix_rate=0.1)
+SMALL_STUDENT = Recipe("tiny", "student_train", steps=2000, stop_at=2000, learning_rate=6e-3)
+CHECKPOINTS = {"teacher": (TEACHER, TEACHER_DIR), "student": (STUDENT, STUDENT_DIR),
+               "small_student": (SMALL_STUDENT, SMALL_STUDENT_DIR)}
 
 
 @cache
@@ -46,10 +54,11 @@ def splits() -> dict[str, list[dict]]:
     return out
 
 
-def remake(out_dir) -> dict:
-    """Train both checkpoints into out_dir/count_teacher and out_dir/count_student; their last metrics."""
-    return {name: train_checkpoint(recipe, Path(out_dir) / name, splits()[recipe.split], family="count")
-            for recipe, name in ((TEACHER, "count_teacher"), (STUDENT, "count_student"))}
+def remake(out_dir, which=tuple(CHECKPOINTS)) -> dict:
+    """Train the checkpoints named in `which` into out_dir/count_<name>; their last metrics."""
+    return {f"count_{name}": train_checkpoint(CHECKPOINTS[name][0], Path(out_dir) / f"count_{name}",
+                                              splits()[CHECKPOINTS[name][0].split], family="count")
+            for name in which}
 
 
 def validation_exact_match(student, teacher) -> dict:
@@ -100,8 +109,10 @@ def correction_and_cost(summary: dict) -> dict:
 
 
 def load(which: str = "student"):
-    """(graphdef, params) of the shipped count-family student or teacher."""
+    """(graphdef, params) of a shipped count-family checkpoint: "student", "teacher" or "small_student"."""
     from tunix_nb import checkpoint
 
-    graphdef, params, _ = checkpoint.load_model(STUDENT_DIR if which == "student" else TEACHER_DIR)
+    if which not in CHECKPOINTS:
+        raise ValueError(f"which is one of {', '.join(CHECKPOINTS)}; got {which!r}.")
+    graphdef, params, _ = checkpoint.load_model(CHECKPOINTS[which][1])
     return graphdef, params

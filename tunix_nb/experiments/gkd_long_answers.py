@@ -48,14 +48,19 @@ class GkdLongConfig:
     offline_first: int = 0  # steps of offline distillation both arms share before they part (a warm start)
     eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
     family: str = "long"  # "count": running counts, where a slip is carried into every later digit
+    student: str = "student"  # the count family's "small_student": a one-layer student at its floor
     # a diagnostic, not a design: the offline arm's answer inputs swapped at this rate
     # (`long_family.with_wrong_prefixes`), the teacher scoring every position, so that it is
     # taught corrections too, without sampling (0: the dataset's answers as they are)
     offline_slip_rate: float = 0.0
+    offline_slip_taught: bool = True  # False: positions after a swap left out of the loss (the control)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family is one of {', '.join(FAMILIES)}; got {self.family!r}.")
+        if self.student != "student" and (self.family, self.student) != ("count", "small_student"):
+            raise ValueError(f"student is 'student', or 'small_student' with family=count; "
+                             f"got {self.student!r} with family={self.family!r}.")
         if self.eval_split not in ("test", "validation"):
             raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
 
@@ -72,7 +77,7 @@ def prepare(config: GkdLongConfig) -> dict:
     import importlib
 
     family = importlib.import_module(f"tunix_nb.experiments.{FAMILIES[config.family]}")
-    shared = {**family.splits(), "student": family.load("student"), "teacher": family.load("teacher")}
+    shared = {**family.splits(), "student": family.load(config.student), "teacher": family.load("teacher")}
     if config.family == "count":  # the record keeps the datasheet's figures of the two checkpoints
         shared["record"] = {"validation_exact_match": family.validation_exact_match(shared["student"],
                                                                                     shared["teacher"])}
@@ -111,15 +116,21 @@ def distill_step(config: GkdLongConfig, graphdef, teacher_graphdef):
 
 def offline_batches(seed: int, config: GkdLongConfig, shared: dict, first: int = 0):
     """step -> the offline batch: the dataset's answers, in seed's order, from batch `first` on
-    (with `config.offline_slip_rate` of their answer inputs swapped)."""
+    (with `config.offline_slip_rate` of their answer inputs swapped, and with
+    `offline_slip_taught=False` nothing after a swap in the loss)."""
     from tunix_nb import data
     from tunix_nb.tokenizer import ByteTokenizer
 
-    from tunix_nb.experiments.long_family import with_wrong_prefixes
+    from tunix_nb.experiments.long_family import right_prefixes_only, with_wrong_prefixes
 
     rows = data.sft_arrays(shared["teacher_train"], ByteTokenizer(), data.LONG_SEQ_LEN)
-    return lambda step: with_wrong_prefixes(data.batch_at(rows, first + step, config.batch_size, seed=seed),
-                                            config.offline_slip_rate, seed=(seed, first + step))
+
+    def batch(step):
+        plain = data.batch_at(rows, first + step, config.batch_size, seed=seed)
+        swapped = with_wrong_prefixes(plain, config.offline_slip_rate, seed=(seed, first + step))
+        return swapped if config.offline_slip_taught else right_prefixes_only(swapped, plain)
+
+    return batch
 
 
 def warm_start(seed: int, config: GkdLongConfig, shared: dict):

@@ -112,6 +112,16 @@ def with_wrong_prefixes(batch: dict, rate: float, *, seed) -> dict:
     return {**batch, "inputs": inputs_BxL}
 
 
+def right_prefixes_only(swapped: dict, original: dict) -> dict:
+    """`swapped` (from `with_wrong_prefixes(original, ...)`) with every position from a row's
+    first swapped input on left out of the loss: the same rows, the same right prefixes as
+    `swapped` holds, and no correction taught after a wrong one (lesson 11's control)."""
+    changed_BxL = swapped["inputs"] != original["inputs"]
+    first_B = np.where(changed_BxL.any(axis=1), changed_BxL.argmax(axis=1), changed_BxL.shape[1])
+    after_a_swap_BxL = np.arange(changed_BxL.shape[1])[None, :] >= first_B[:, None]
+    return {**swapped, "loss_mask": np.where(after_a_swap_BxL, 0, swapped["loss_mask"])}
+
+
 def load(which: str = "student"):
     """(graphdef, params) of the shipped long-family student or teacher."""
     from tunix_nb import checkpoint
