@@ -1,4 +1,4 @@
-"""The count family's splits and its two shipped checkpoints: lesson 11's second design.
+"""The count family's splits and its three shipped checkpoints: lesson 11's second and third designs.
 
 Running counts of 6-14 bits (`data.COUNT_TASKS`: "cnt 1011=" -> "1123"). Each answer digit
 is the one before it plus the next bit: a model trained on right prefixes can learn that
