@@ -8,6 +8,7 @@ the stored run misses is marked xfail (strict) with what it measured and why.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def lesson11_count():
 
 @pytest.fixture(scope="module")
 def lesson11_small():
-    """Lesson 11's third design: running counts with a one-layer student at its floor."""
+    """Lesson 11's third design: running counts with a one-layer student, nearer its floor than the count student."""
     rec = record("lesson11_gkd_small_student")
     return rec, gkd_long_answers.summarise(rec)
 
@@ -237,7 +238,7 @@ def test_lesson11_on_running_counts_on_policy_corrects_more_miscounts_and_carrie
     assert positive_seeds(gain) in " ".join(markdown("11_on_policy_distillation").split())
 
 
-def test_lesson11_with_a_student_at_its_floor_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(
+def test_lesson11_with_a_one_layer_student_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(
         lesson11_small):
     """Lesson 11's target, met on the third design: the mean paired gain over five seeds, its
     interval over seeds and test prompts above zero."""
@@ -248,12 +249,27 @@ def test_lesson11_with_a_student_at_its_floor_on_policy_beats_offline_in_edit_si
     assert positive_seeds(gain) in " ".join(markdown("11_on_policy_distillation").split())
 
 
-@pytest.mark.xfail(strict=True, reason="missed on the third design: with the small student the share falls from 52% "
-                   "to 47%, not to half (lesson 11)")
-def test_lesson11_with_a_student_at_its_floor_on_policy_halves_the_share_of_errors_its_own_prefix_causes(
+@pytest.mark.xfail(strict=True, reason="missed on the third design: with the one-layer student the share falls from "
+                   "52% to 47%, not to half; the slips it carries on make most of those errors, and it carries a "
+                   "fifth fewer on. Five more validation pilots (more steps, T = 1.5) reach 26% at best, where the "
+                   "gain is gone (lesson 11)")
+def test_lesson11_with_a_one_layer_student_on_policy_halves_the_share_of_errors_its_own_prefix_causes(
         lesson11_small):
     share = lesson11_small[1]["own_prefix_share_longest_third"]
     assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
+
+
+def test_lesson11_with_a_one_layer_student_on_policy_recovers_from_its_own_slips_more_often_on_every_seed(
+        lesson11_small):
+    """Where the third design's gain comes from: right after its own first wrong digit (free-running,
+    `count_family.after_own_slip`) the on-policy student gives the right digit more often and carries
+    the slip on less often, seed by seed, over the same ~250 slips a seed."""
+    slip = lesson11_small[1]["after_own_slip"]
+    on, off = slip["on_policy"], slip["offline"]
+    assert all(a > b for a, b in zip(on["right"]["per_seed"], off["right"]["per_seed"]))
+    assert all(a < b for a, b in zip(on["carried"]["per_seed"], off["carried"]["per_seed"]))
+    slips = [r["after_own_slip"]["slips"] for arm in ("offline", "on_policy") for r in lesson11_small[0]["runs"]["long"][arm]]
+    assert min(slips) >= 200  # enough slips a seed for a share to mean something
 
 
 COUNT_PILOTS = sorted((RESULTS / "lesson11_count_pilots").glob("*.json"))
@@ -282,7 +298,9 @@ def test_lesson11s_count_designs_are_the_validation_pilots_with_the_largest_gain
     pilots = [json.loads(p.read_text()) for p in pilots]
     assert len(pilots) >= at_least
     best = max(pilots, key=lambda p: p["summary"]["on_policy_over_offline_longest_third"]["mean"])
-    settings = lambda config: {k: v for k, v in config.items() if k != "eval_split"}  # noqa: E731
+    # a record made before a config field existed ran with that field's default
+    defaults = dataclasses.asdict(gkd_long_answers.GkdLongConfig())
+    settings = lambda config: {k: v for k, v in {**defaults, **config}.items() if k != "eval_split"}  # noqa: E731
     assert settings(best["config"]) == settings(stored["config"])
 
 

@@ -324,6 +324,25 @@ def test_after_a_slip_agrees_with_greedy_generation_after_the_slipped_prefix():
     assert found["teacher"]["right"] > 0.95 and found["student"]["carried"] > 0.25
 
 
+def test_after_own_slip_reads_what_an_answer_does_after_its_own_first_wrong_digit():
+    """`count_family.after_own_slip` on answers worked by hand for "cnt 1011=" -> "1123"."""
+    from tunix_nb.experiments import count_family
+
+    example = {"prompt": "cnt 1011=", "completion": "1123", "task": "running_count"}
+    answers = {"1123": "right throughout: no slip",
+               "1124": "wrong only at the last digit: nothing after it",
+               "1223": "slip at digit 1, then the right digit 2",
+               "1234": "slip at digit 1 (2), carried on: 2 + bit 2 (1) = 3",
+               "1": "too short: its digit 1 is missing, neither",
+               "1x23": "a non-digit slip, then the right digit"}
+    found = count_family.after_own_slip(list(answers), [example] * len(answers))
+    assert found == {"slips": 4, "right": 2 / 4, "carried": 1 / 4}
+    assert count_family.after_own_slip(["1123"], [example]) == {"slips": 0, "right": 0.0, "carried": 0.0}
+    # mod 10: a slip to 9 carried on with a 1 bit is 0
+    wraps = {"prompt": "cnt 111111111111=", "completion": "123456789012", "task": "running_count"}
+    assert count_family.after_own_slip(["123456790123"], [wraps])["carried"] == 1.0
+
+
 def test_count_family_loads_its_three_checkpoints_each_made_by_its_recipe():
     import dataclasses
 

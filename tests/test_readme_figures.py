@@ -123,7 +123,7 @@ N08, N09, N10, N11 = "08_grpo", "09_hf_checkpoints", "10_lora_qlora", "11_on_pol
 N12 = "12_your_model_and_data"
 L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gkd.json"
 L11C = "lesson11_gkd_count.json"  # lesson 11's second design, running counts
-L11S = "lesson11_gkd_small_student.json"  # its third design, running counts with a student at its floor
+L11S = "lesson11_gkd_small_student.json"  # its third design, running counts with a one-layer student
 
 
 GATE = ("greedy", "pass_at_1", "pass_at_8")
@@ -183,15 +183,21 @@ EXPERIMENT_ROWS = [
      [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
     ("11", L11C, "| 11 | running counts, right after a miscount: the slip carried on, offline / on-policy | {}% / {}% |",
      [("after_a_slip", arm, "carried", "mean") for arm in ("offline", "on_policy")], 100),
-    ("11", L11S, "| 11 | running counts, a student at its floor (5 seeds, 1000 test prompts), edit similarity on the "
+    ("11", L11S, "| 11 | running counts, a one-layer student (5 seeds, 1000 test prompts), edit similarity on the "
                  "14-digit answers: offline / on-policy | {} / {} |",
      [("edit_similarity_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 1),
-    ("11", L11S, "| 11 | a student at its floor, on-policy over offline, same (95% interval) | {±}{} ({±}{} to {±}{}) |",
+    ("11", L11S, "| 11 | a one-layer student, on-policy over offline, same (95% interval) | {±}{} ({±}{} to {±}{}) |",
      gain_paths("on_policy_over_offline_longest_third"), 1),
-    ("11", L11S, "| 11 | a student at its floor, free-running token error: offline / on-policy | {}% / {}% |",
+    ("11", L11S, "| 11 | a one-layer student, free-running token error: offline / on-policy | {}% / {}% |",
      [("free_running_error_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
-    ("11", L11S, "| 11 | a student at its floor, share of errors its own prefix caused: offline / on-policy | {}% / {}% |",
+    ("11", L11S, "| 11 | a one-layer student, share of errors its own prefix caused: offline / on-policy | {}% / {}% |",
      [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11S, "| 11 | a one-layer student, right after its own first slip (free-running): the right digit, "
+                 "offline / on-policy | {}% / {}% |",
+     [("after_own_slip", arm, "right", "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11S, "| 11 | a one-layer student, right after its own first slip: the slip carried on, offline / "
+                 "on-policy | {}% / {}% |",
+     [("after_own_slip", arm, "carried", "mean") for arm in ("offline", "on_policy")], 100),
 ]
 
 

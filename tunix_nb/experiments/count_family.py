@@ -14,8 +14,8 @@ distillation should pay (lesson 11), if its teacher counts from the input instea
   the step was chosen on the validation split, data/README.md).
 - the small student (`data/count_small_student`): the `tiny` preset (one layer), plain SFT
   on the same examples for the whole of a 2000-step schedule at learning rate 6e-3: a
-  student near the floor of what it can learn, where DAgger's argument applies (lesson 11's
-  third design).
+  student nearer the floor of what it can learn than the count student, so that a wrong
+  prefix in its batch displaces less (lesson 11's third design).
 
 Every split is drawn from its own seed, none shares a prompt with another. There are only
 2^n strings of n bits and prompts are unique, so the short lengths run out: the splits hold
@@ -95,6 +95,25 @@ def after_a_slip(graphdef, params, examples, *, seed: int = 0) -> dict:
     right = [tok.encode(e["completion"][k + 1])[0] for e, k in zip(examples, slip_at)]
     carried = [tok.encode(str((int(s["completion"][k]) + b) % 10))[0] for s, k, b in zip(slipped, slip_at, next_bit)]
     return {"right": float(np.mean(predicted == right)), "carried": float(np.mean(predicted == carried))}
+
+
+def after_own_slip(answers: list[str], examples) -> dict:
+    """What a model's own greedy answers do right after their first wrong digit: the slips it
+    makes itself, where `after_a_slip` plants one of its own choosing (one too high). Over the
+    answers whose first wrong digit k is not their last: {"slips": how many, "right": share
+    whose digit k + 1 is the right one, "carried": share that is their own digit k plus bit
+    k + 1 (the slip carried on)}; a missing or non-digit k or k + 1 is neither."""
+    right = carried = slips = 0
+    for answer, example in zip(answers, examples):
+        gold, bits = example["completion"], example["prompt"].removeprefix("cnt ").removesuffix("=")
+        k = next((i for i, digit in enumerate(gold) if answer[i:i + 1] != digit), None)
+        if k is None or k == len(gold) - 1:
+            continue  # right throughout, or wrong only at the last digit: nothing comes after the slip
+        slips += 1
+        own, following = answer[k:k + 1], answer[k + 1:k + 2]
+        right += following == gold[k + 1]
+        carried += own.isdigit() and following == str((int(own) + int(bits[k + 1])) % 10)
+    return {"slips": slips, "right": right / max(slips, 1), "carried": carried / max(slips, 1)}
 
 
 def correction_and_cost(summary: dict) -> dict:

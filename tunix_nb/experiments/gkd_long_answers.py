@@ -48,7 +48,7 @@ class GkdLongConfig:
     offline_first: int = 0  # steps of offline distillation both arms share before they part (a warm start)
     eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
     family: str = "long"  # "count": running counts, where a slip is carried into every later digit
-    student: str = "student"  # the count family's "small_student": a one-layer student at its floor
+    student: str = "student"  # the count family's "small_student": a one-layer student, nearer its floor
     # a diagnostic, not a design: the offline arm's answer inputs swapped at this rate
     # (`long_family.with_wrong_prefixes`), the teacher scoring every position, so that it is
     # taught corrections too, without sampling (0: the dataset's answers as they are)
@@ -164,7 +164,8 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
     if config.family == "count":  # what it predicts right after a miscount: the right digit, or the slip carried on
         from tunix_nb.experiments import count_family
 
-        slip = {"after_a_slip": count_family.after_a_slip(graphdef, params, test)}
+        slip = {"after_a_slip": count_family.after_a_slip(graphdef, params, test),  # a slip planted, one too high
+                "after_own_slip": count_family.after_own_slip(answers, test)}  # its own first slip, free-running
     return {**slip, "scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
             "exact_match": [float(a == e["completion"]) for a, e in zip(answers, test)],
             "answer_length": [len(e["completion"]) for e in test], "task": tasks.tolist(),
@@ -215,13 +216,15 @@ def summarise(record: dict) -> dict:
         "exact_match_control": stats.paired_gain(pick("on_policy", "exact_match"), pick("offline", "exact_match")),
         **error_summary(runs),
         "by_task": {task: by_task_summary(runs, long, task) for task in sorted(set(runs["offline"][0]["task"]))},
-        **({"after_a_slip": slip_summary(runs)} if "after_a_slip" in runs["offline"][0] else {}),
+        **{probe: slip_summary(runs, probe) for probe in ("after_a_slip", "after_own_slip")
+           if probe in runs["offline"][0]},
     }
 
 
-def slip_summary(runs: dict) -> dict:
-    """The count family's `after_a_slip` shares (right digit, slip carried on), per arm: mean and per seed."""
-    per_seed = lambda arm, key: [r["after_a_slip"][key] for r in runs[arm]]  # noqa: E731
+def slip_summary(runs: dict, probe: str = "after_a_slip") -> dict:
+    """The count family's shares right after a slip (`after_a_slip`: planted; `after_own_slip`:
+    the model's own), right digit and slip carried on, per arm: mean and per seed."""
+    per_seed = lambda arm, key: [r[probe][key] for r in runs[arm]]  # noqa: E731
     return {arm: {key: {"mean": float(np.mean(per_seed(arm, key))), "per_seed": per_seed(arm, key)}
                   for key in ("right", "carried")} for arm in runs}
 
