@@ -250,9 +250,9 @@ def test_lesson11_with_a_one_layer_student_on_policy_beats_offline_in_edit_simil
 
 
 @pytest.mark.xfail(strict=True, reason="missed on the third design: with the one-layer student the share falls from "
-                   "52% to 47%, not to half; the slips it carries on make most of those errors, and it carries a "
-                   "fifth fewer on. Five more validation pilots (more steps, T = 1.5) reach 26% at best, where the "
-                   "gain is gone (lesson 11)")
+                   "52% to 47%, not to half, which would take removing about two thirds of the errors its own "
+                   "prefix causes; it carries a fifth fewer of its own slips on and removes about a fifth. Five more "
+                   "validation pilots (more steps, T = 1.5) reach 26% at best, where the gain is gone (lesson 11)")
 def test_lesson11_with_a_one_layer_student_on_policy_halves_the_share_of_errors_its_own_prefix_causes(
         lesson11_small):
     share = lesson11_small[1]["own_prefix_share_longest_third"]
