@@ -263,7 +263,7 @@ def test_lesson11_with_a_one_layer_student_on_policy_recovers_from_its_own_slips
         lesson11_small):
     """Where the third design's gain comes from: right after its own first wrong digit (free-running,
     `count_family.after_own_slip`) the on-policy student gives the right digit more often and carries
-    the slip on less often, seed by seed, over the same ~250 slips a seed."""
+    the slip on less often, seed by seed, over about 250 slips a seed and arm."""
     slip = lesson11_small[1]["after_own_slip"]
     on, off = slip["on_policy"], slip["offline"]
     assert all(a > b for a, b in zip(on["right"]["per_seed"], off["right"]["per_seed"]))

@@ -221,7 +221,7 @@ def summarise(record: dict) -> dict:
     }
 
 
-def slip_summary(runs: dict, probe: str = "after_a_slip") -> dict:
+def slip_summary(runs: dict, probe: str) -> dict:
     """The count family's shares right after a slip (`after_a_slip`: planted; `after_own_slip`:
     the model's own), right digit and slip carried on, per arm: mean and per seed."""
     per_seed = lambda arm, key: [r[probe][key] for r in runs[arm]]  # noqa: E731
