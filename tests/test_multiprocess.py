@@ -68,10 +68,10 @@ def test_two_processes_save_resume_and_match_one_process(tmp_path, capsys):
 def test_launcher_stops_the_others_when_a_process_dies(tmp_path):
     """SIGKILL one process mid-run: the launcher kills the other and names the dead one.
 
-    No wall-clock assert (it flakes on a loaded machine); what shows that the launcher,
-    not JAX's heartbeat (100 s), ended process 0: the launcher saw process 1 die while
-    process 0 still ran (it names the first process to fail, and process 0 comes first),
-    process 0 reported no lost peer, and neither process is left.
+    No wall-clock assert (it flakes on a loaded machine); what shows that JAX's heartbeat
+    did not end process 0: the launcher names process 1 as the first to die (process 0
+    either was stopped by the launcher or aborted in gloo on the closed connection at once,
+    and then the message says so), nothing mentions the heartbeat, and neither process is left.
     """
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "tunix_nb.launch", "--", "sft", "--model", "tiny", "--parallel", "dp",
@@ -96,6 +96,29 @@ def test_launcher_stops_the_others_when_a_process_dies(tmp_path):
     for pid in pids:  # both gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_launcher_names_the_first_process_to_die_not_the_lowest_numbered():
+    """Process 1 is SIGKILLed and process 0 aborts in gloo a moment later: both have ended by
+    the time the launcher looks, and the message blames process 1, the order they ended in."""
+    ended = launch.queue.Queue()
+    for exit_ in [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]:
+        ended.put(exit_)
+    exits = launch._watch(ended, drain=lambda block_s: None, processes=2, deadline=None)
+    assert exits == [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]
+    procs = [type("Proc", (), {"pid": pid})() for pid in (100, 101)]
+    message = launch._failure_message(exits, procs)
+    assert message.startswith("launch: error: process 1 (pid 101) was killed by SIGKILL; stopped the other "
+                              "process (0)"), message
+    assert "Process 0 then was killed by SIGABRT, before the launcher could stop it." in message
+
+
+def test_the_launcher_waits_while_every_process_runs_and_stops_at_its_deadline():
+    ended = launch.queue.Queue()
+    ended.put((0, 0))  # one finished cleanly, the other still runs
+    drained = []
+    exits = launch._watch(ended, drain=drained.append, processes=2, deadline=time.monotonic() + 0.5)
+    assert exits == [(0, 0)] and len(drained) >= 2  # it kept looking until the deadline
 
 
 HEARTBEAT_WORKER = textwrap.dedent("""

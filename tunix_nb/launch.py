@@ -124,8 +124,14 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
             lines.put((i, line.rstrip("\n")))
         lines.put((i, None))
 
-    readers = [threading.Thread(target=pump, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
-    for t in readers:
+    # one thread per process blocks in its wait: each reports the moment its process ends,
+    # so the order seen is the order of death even when the main loop is slow to look (the
+    # survivor of a SIGKILLed peer aborts within milliseconds, long before the next poll)
+    ended: queue.Queue = queue.Queue()
+    threads = [threading.Thread(target=pump, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
+    threads += [threading.Thread(target=lambda i=i, p=p: ended.put((i, p.wait())), daemon=True)
+                for i, p in enumerate(procs)]
+    for t in threads:
         t.start()
     print_fn(f"launch: {processes} processes x {devices_per_process} CPU devices, coordinator {coordinator}, "
              f"pids {' '.join(str(p.pid) for p in procs)}")
@@ -144,35 +150,47 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
                 return
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failure = None
-    while failure is None:
-        drain(0.2)
-        codes = [p.poll() for p in procs]
-        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            failure = failed[0]
-        elif None not in codes:
-            break
-        elif deadline is not None and time.monotonic() > deadline:
-            failure = (None, None)
-    if failure is not None:
+    exits = _watch(ended, drain, processes, deadline)
+    failures = [(i, code) for i, code in exits if code != 0]
+    if failures or len(exits) < processes:
         _stop(procs)
-    for t in readers:
+    for t in threads:
         t.join(timeout=5)
     drain(0)
-    if failure is None:
+    if not failures and len(exits) == processes:
         print_fn(f"launch: all {processes} processes finished")
         return 0
-    i, code = failure
-    if i is None:
+    if not failures:
         print_fn(f"launch: error: the run took longer than {timeout_s} s; stopped all {processes} processes.")
         return 1
-    others = [j for j in range(processes) if j != i]
-    print_fn(f"launch: error: process {i} (pid {procs[i].pid}) {_describe_exit(code)}; stopped the "
-             f"other process{'es' if len(others) > 1 else ''} ({', '.join(map(str, others))}), which would "
-             "otherwise wait for it in their next collective. Any error it printed is above. Rerun the "
-             "same command to resume from the newest checkpoint in --ckpt-dir.")
+    print_fn(_failure_message(failures, procs))
+    code = failures[0][1]
     return code if code > 0 else 1
+
+
+def _watch(ended: queue.Queue, drain, processes: int, deadline: float | None) -> list[tuple[int, int]]:
+    """(process, exit code) in the order they ended, until one fails, all end, or the deadline passes."""
+    exits = []
+    while len(exits) < processes and all(code == 0 for _, code in exits):
+        drain(0.2)
+        while not ended.empty():
+            exits.append(ended.get())
+        if deadline is not None and time.monotonic() > deadline:
+            break
+    return exits
+
+
+def _failure_message(failures, procs) -> str:
+    """Names the first process to fail, the cause; then any that failed after it before being stopped."""
+    i, code = failures[0]
+    others = [j for j in range(len(procs)) if j != i]
+    message = (f"launch: error: process {i} (pid {procs[i].pid}) {_describe_exit(code)}; stopped the "
+               f"other process{'es' if len(others) > 1 else ''} ({', '.join(map(str, others))}), which would "
+               "otherwise wait for it in their next collective.")
+    for j, later in failures[1:]:
+        message += f" Process {j} then {_describe_exit(later)}, before the launcher could stop it."
+    return (message + " Any error it printed is above. Rerun the same command to resume from the newest "
+            "checkpoint in --ckpt-dir.")
 
 
 def build_parser() -> argparse.ArgumentParser:
