@@ -90,7 +90,8 @@ def test_launcher_stops_the_others_when_a_process_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1
-    assert f"process 1 (pid {pids[1]}) was killed by SIGKILL; stopped the other process (0)" in out
+    stopped, aborted = "; stopped the other process (0)", ". Process 0 then was killed by SIGABRT"
+    assert any(f"process 1 (pid {pids[1]}) was killed by SIGKILL{how}" in out for how in (stopped, aborted)), out
     assert "heartbeat" not in out.lower() and "another task died" not in out  # not stopped by JAX's heartbeat
     assert "Done:" not in out and len(metrics.read_text().splitlines()) < 5000  # the run was cut short
     for pid in pids:  # both gone
@@ -108,9 +109,12 @@ def test_the_launcher_names_the_first_process_to_die_not_the_lowest_numbered():
     assert exits == [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]
     procs = [type("Proc", (), {"pid": pid})() for pid in (100, 101)]
     message = launch._failure_message(exits, procs)
-    assert message.startswith("launch: error: process 1 (pid 101) was killed by SIGKILL; stopped the other "
-                              "process (0)"), message
-    assert "Process 0 then was killed by SIGABRT, before the launcher could stop it." in message
+    assert message.startswith("launch: error: process 1 (pid 101) was killed by SIGKILL. Process 0 then was "
+                              "killed by SIGABRT, before the launcher could stop it. Any error"), message
+    # three processes: 0 finished cleanly, then 2 exited with an error while 1 still ran
+    message = launch._failure_message([(0, 0), (2, 3)], procs + procs[:1])
+    assert message.startswith("launch: error: process 2 (pid 100) exited with code 3; stopped the other "
+                              "process (1), which would"), message
 
 
 def test_the_launcher_waits_while_every_process_runs_and_stops_at_its_deadline():

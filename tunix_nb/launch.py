@@ -163,7 +163,7 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
     if not failures:
         print_fn(f"launch: error: the run took longer than {timeout_s} s; stopped all {processes} processes.")
         return 1
-    print_fn(_failure_message(failures, procs))
+    print_fn(_failure_message(exits, procs))
     code = failures[0][1]
     return code if code > 0 else 1
 
@@ -180,16 +180,19 @@ def _watch(ended: queue.Queue, drain, processes: int, deadline: float | None) ->
     return exits
 
 
-def _failure_message(failures, procs) -> str:
-    """Names the first process to fail, the cause; then any that failed after it before being stopped."""
-    i, code = failures[0]
-    others = [j for j in range(len(procs)) if j != i]
-    message = (f"launch: error: process {i} (pid {procs[i].pid}) {_describe_exit(code)}; stopped the "
-               f"other process{'es' if len(others) > 1 else ''} ({', '.join(map(str, others))}), which would "
-               "otherwise wait for it in their next collective.")
-    for j, later in failures[1:]:
-        message += f" Process {j} then {_describe_exit(later)}, before the launcher could stop it."
-    return (message + " Any error it printed is above. Rerun the same command to resume from the newest "
+def _failure_message(exits, procs) -> str:
+    """Names the first process to fail (the cause), the ones the launcher stopped, and any that
+    ended after the first before it could stop them. `exits`: (process, code) in order of ending."""
+    first = next(n for n, (_, code) in enumerate(exits) if code != 0)
+    i, code = exits[first]
+    stopped = [j for j in range(len(procs)) if j not in {k for k, _ in exits}]
+    message = f"launch: error: process {i} (pid {procs[i].pid}) {_describe_exit(code)}"
+    if stopped:
+        message += (f"; stopped the other process{'es' if len(stopped) > 1 else ''} "
+                    f"({', '.join(map(str, stopped))}), which would otherwise wait for it in their next collective")
+    for j, later_code in exits[first + 1:]:
+        message += f". Process {j} then {_describe_exit(later_code)}, before the launcher could stop it"
+    return (message + ". Any error it printed is above. Rerun the same command to resume from the newest "
             "checkpoint in --ckpt-dir.")
 
 
