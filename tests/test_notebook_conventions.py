@@ -99,7 +99,8 @@ ALLOWED_SMALL = {
             "not computed here",
         r"^T [\d.]+, \d+ steps at learning rate [\d.]+(, β [\d.]+)?(, lmbda [\d.]+)? +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} \(95% interval":
             "a count-family pilot's settings and gain read from its stored record in results/lesson11_count_pilots/",
-        r"^ *\d+ steps, T = [\d.]+, (forward KL|JSD\([\d.]+\)) +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} \(95% interval":
+        r"^ *\d+ steps, T = [\d.]+, (forward KL|reverse KL|JSD\([\d.]+\))(, lr [\d.]+)? +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} "
+        r"\(95% interval":
             "a small-student pilot's settings and gain read from its stored record in "
             "results/lesson11_small_student_pilots/",
         r"^  edit similarity [-+]\d\.\d{4} \(95% interval":
