@@ -36,6 +36,9 @@ QUOTED_GAINS = [
     ("11_on_policy_distillation", "lesson11_gkd_count", ("exact_match_control",), {}),
     ("11_on_policy_distillation", "lesson11_gkd_small_student", ("on_policy_over_offline_longest_third",), SIMILARITY),
     ("11_on_policy_distillation", "lesson11_gkd_small_student", ("exact_match_control",), {}),
+    ("11_on_policy_distillation", "lesson11_gkd_small_student_1000_steps", ("on_policy_over_offline_longest_third",),
+     SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_small_student_1000_steps", ("exact_match_control",), {}),
 ]
 
 
@@ -107,6 +110,13 @@ def lesson11_small():
     return rec, gkd_long_answers.summarise(rec)
 
 
+@pytest.fixture(scope="module")
+def lesson11_small_1000():
+    """The third design's second test run: 1000 steps, chosen on validation for the share."""
+    rec = record("lesson11_gkd_small_student_1000_steps")
+    return rec, gkd_long_answers.summarise(rec)
+
+
 @pytest.mark.parametrize("name, command", [
     ("lesson02_distillation", "python -m tunix_nb.experiments lesson02_distillation --seeds 5"),
     ("lesson08_grpo", "python -m tunix_nb.experiments lesson08_grpo --seeds 5"),
@@ -114,6 +124,8 @@ def lesson11_small():
     ("lesson11_gkd_count", "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count"),
     ("lesson11_gkd_small_student",
      "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count --set student=small_student"),
+    ("lesson11_gkd_small_student_1000_steps", "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set "
+                                              "family=count --set student=small_student --set steps=1000"),
 ])
 def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name, command):
     rec = record(name)
@@ -123,9 +135,10 @@ def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name,
             assert len(runs) == 5 and {len(r["scores"]) for r in runs} == {1000}
 
 
-def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11, lesson11_count, lesson11_small):
+def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11, lesson11_count, lesson11_small,
+                                                    lesson11_small_1000):
     """The summary written beside the runs is recomputed from them, not edited."""
-    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count, lesson11_small):
+    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count, lesson11_small, lesson11_small_1000):
         assert_same_summary(summary, rec["summary"])
 
 
@@ -250,8 +263,8 @@ def test_lesson11_with_a_one_layer_student_on_policy_beats_offline_in_edit_simil
 
 
 @pytest.mark.xfail(strict=True, reason="missed on the third design: with the one-layer student the share falls from "
-                   "52% to 47%, not to half, which would take removing about two thirds of the errors its own "
-                   "prefix causes; it carries a fifth fewer of its own slips on and removes about a fifth. Fifteen more "
+                   "52% to 47%, not to half (within its own answers, an early eos's missing tail left out, 50% to "
+                   "43%), which would take removing about two thirds of the errors its own prefix causes; it carries a fifth fewer of its own slips on and removes about a fifth. Fifteen more "
                    "validation pilots (more steps, a larger learning rate, T = 0.5 to 2, the forward or reverse KL) "
                    "reach 26% at best, where the gain is gone; from 1000 steps the on-policy share stays at 26-33% "
                    "while offline's is 46% at most (lesson 11)")
@@ -272,6 +285,54 @@ def test_lesson11_with_a_one_layer_student_on_policy_recovers_from_its_own_slips
     assert all(a < b for a, b in zip(on["carried"]["per_seed"], off["carried"]["per_seed"]))
     slips = [r["after_own_slip"]["slips"] for arm in ("offline", "on_policy") for r in lesson11_small[0]["runs"]["long"][arm]]
     assert min(slips) >= 200  # enough slips a seed for a share to mean something
+
+
+def test_lesson11s_1000_step_run_is_the_default_settings_pilot_with_the_lowest_on_policy_share(lesson11_small_1000):
+    """Its setting was chosen on validation for lesson 11's second target: among the one-layer
+    pilots at the default temperature, divergence and learning rate, the one whose on-policy arm
+    left the lowest share of errors caused by its own prefix."""
+    defaults = dataclasses.asdict(gkd_long_answers.GkdLongConfig())
+    settings = lambda config: {k: v for k, v in {**defaults, **config}.items() if k != "eval_split"}  # noqa: E731
+    plain = [pilot for pilot in map(lambda p: json.loads(p.read_text()), SMALL_PILOTS)
+             if all(settings(pilot["config"])[k] == defaults[k] for k in ("temperature", "beta", "learning_rate"))]
+    assert len(plain) >= 5
+    lowest = min(plain, key=lambda p: p["summary"]["own_prefix_share_longest_third"]["on_policy"]["mean"])
+    assert settings(lowest["config"]) == settings(lesson11_small_1000[0]["config"])
+    assert lesson11_small_1000[0]["config"]["eval_split"] == "test"
+
+
+def test_lesson11s_1000_step_run_beats_offline_in_edit_similarity_on_the_longest_third(lesson11_small_1000):
+    gain = lesson11_small_1000[1]["on_policy_over_offline_longest_third"]
+    assert gain["mean"] > 0 and gain["ci95"][0] > 0
+    assert positive_seeds(gain) in " ".join(markdown("11_on_policy_distillation").split())
+
+
+@pytest.mark.xfail(strict=True, reason="missed at 1000 steps too: the share falls from 48% to 35%. Within the "
+                   "student's own answers, an early eos's missing tail left out, it falls from 43% to 24%, not "
+                   "to half either (the validation pilot gave 38% to 15%); the missing tails, which on-policy "
+                   "training cannot reach, are 48% of what the on-policy student's own prefix causes (lesson 11)")
+def test_lesson11s_1000_step_run_halves_the_share_of_errors_its_own_prefix_causes(lesson11_small_1000):
+    share = lesson11_small_1000[1]["own_prefix_share_longest_third"]
+    assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
+
+
+def test_lesson11s_one_layer_runs_leave_more_of_their_own_prefix_errors_in_early_eos_tails_on_policy(
+        lesson11_small, lesson11_small_1000):
+    """Lesson 11's reading of the share: within its own answers the on-policy student's share
+    falls on every seed, and more of what its own prefix causes is the missing tail after an
+    early eos, which on-policy training cannot reach, than offline's (seed by seed, both runs)."""
+    for _, summary in (lesson11_small, lesson11_small_1000):
+        within = summary["own_prefix_share_within_answer_longest_third"]
+        tail = summary["own_prefix_errors_after_own_end_longest_third"]
+        assert all(a < b for a, b in zip(within["on_policy"]["per_seed"], within["offline"]["per_seed"]))
+        assert all(a > b for a, b in zip(tail["on_policy"]["per_seed"], tail["offline"]["per_seed"]))
+    runs = lesson11_small_1000[0]["runs"]["long"]
+    for arm in runs:  # the split adds up to the headline's token errors, run by run
+        for run in runs[arm]:
+            counts = run["errors_by_own_end"]
+            free = counts["within"]["free_running"] + counts["after_end"]["free_running"]
+            forced = counts["within"]["teacher_forced"] + counts["after_end"]["teacher_forced"]
+            assert run["own_prefix_share"] == pytest.approx((free - forced) / free)
 
 
 COUNT_PILOTS = sorted((RESULTS / "lesson11_count_pilots").glob("*.json"))

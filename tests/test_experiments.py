@@ -343,6 +343,59 @@ def test_after_own_slip_reads_what_an_answer_does_after_its_own_first_wrong_digi
     assert count_family.after_own_slip(["123456790123"], [wraps])["carried"] == 1.0
 
 
+def test_errors_after_own_end_splits_the_errors_at_each_answers_own_eos_counted_by_hand():
+    """`evaluate.errors_after_own_end` against a count made from the greedy answers themselves:
+    the small student stops early on some long running counts; every position after its eos is
+    a free-running error, and the split adds up to `error_rates`' totals."""
+    import numpy as np
+
+    from tunix_nb import data, evaluate
+    from tunix_nb.experiments import count_family, long_family
+
+    examples = [e for e in count_family.splits()["validation"] if len(e["completion"]) == 14][:120]
+    graphdef, params = count_family.load("small_student")
+    right = evaluate.right_tokens_by_row(graphdef, params, examples, seq_len=data.LONG_SEQ_LEN, **long_family.LENGTHS)
+    answers = evaluate.generate_answers(graphdef, params, [e["prompt"] for e in examples], **long_family.LENGTHS)
+    found = evaluate.errors_after_own_end(right)
+    free_within = free_after = forced_after = 0
+    for n, (answer, example) in enumerate(zip(answers, examples)):
+        own, gold = answer + "$", example["completion"] + "$"  # "$": the eos, a token like any other
+        for k, token in enumerate(gold):
+            if k < len(own):
+                free_within += own[k] != token
+            else:  # no token of its own here: an error, and one the right prefix need not make
+                free_after += 1
+                forced_after += not right["teacher_forced"][n, k]
+    assert found["within"]["free_running"] == free_within and found["after_end"]["free_running"] == free_after
+    assert found["after_end"]["teacher_forced"] == forced_after
+    rates = evaluate.error_rates(right)
+    for key in ("free_running", "teacher_forced"):
+        assert found["within"][key] + found["after_end"][key] == round((rates[key] * rates["rows"]).sum())
+    assert sum(len(a) < 14 for a in answers) > 0 and free_after > forced_after  # it does stop early here
+    part = np.arange(len(examples)) < 40  # any subset of the rows, as error_rates takes
+    assert evaluate.errors_after_own_end(right, part) == evaluate.errors_after_own_end(
+        {key: value[part] for key, value in right.items()})
+
+
+def test_lesson11s_own_end_summary_leaves_an_early_eos_tail_out_of_the_share_by_hand():
+    """Two seeds of made-up counts: the share within the answers is (free - forced) / free inside
+    them, and the tail's part is the after-end own-prefix errors over all own-prefix errors."""
+    from tunix_nb.experiments import gkd_long_answers as gkd_long
+
+    def counts(within, after):
+        return {"errors_by_own_end": {"within": dict(zip(("free_running", "teacher_forced"), within)),
+                                      "after_end": dict(zip(("free_running", "teacher_forced"), after))}}
+
+    runs = {"offline": [counts((100, 60), (30, 5)), counts((80, 60), (10, 10))],
+            "on_policy": [counts((70, 63), (26, 5)), counts((0, 0), (0, 0))]}
+    found = gkd_long.own_end_summary(runs)
+    within = found["own_prefix_share_within_answer_longest_third"]
+    assert within["offline"]["per_seed"] == [0.4, 0.25] and within["offline"]["mean"] == pytest.approx(0.325)
+    assert within["on_policy"]["per_seed"] == [0.1, 0.0]  # no error at all: no share, not a NaN
+    tail = found["own_prefix_errors_after_own_end_longest_third"]
+    assert tail["offline"]["per_seed"] == [25 / 65, 0.0] and tail["on_policy"]["per_seed"] == [0.75, 0.0]
+
+
 def test_count_family_loads_its_three_checkpoints_each_made_by_its_recipe():
     import dataclasses
 

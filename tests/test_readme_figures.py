@@ -124,6 +124,7 @@ N12 = "12_your_model_and_data"
 L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gkd.json"
 L11C = "lesson11_gkd_count.json"  # lesson 11's second design, running counts
 L11S = "lesson11_gkd_small_student.json"  # its third design, running counts with a one-layer student
+L11T = "lesson11_gkd_small_student_1000_steps.json"  # the third design at 1000 steps, chosen on validation for the share
 
 
 GATE = ("greedy", "pass_at_1", "pass_at_8")
@@ -198,6 +199,21 @@ EXPERIMENT_ROWS = [
     ("11", L11S, "| 11 | a one-layer student, right after its own first slip: the slip carried on, offline / "
                  "on-policy | {}% / {}% |",
      [("after_own_slip", arm, "carried", "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11S, "| 11 | a one-layer student, the same share within its own answers (the tail after an early eos left "
+                 "out): offline / on-policy | {}% / {}% |",
+     [("own_prefix_share_within_answer_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11T, "| 11 | a one-layer student at 1000 steps (the validation pilot with the lowest share), on-policy over "
+                 "offline, edit similarity on the 14-digit answers (95% interval) | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("on_policy_over_offline_longest_third"), 1),
+    ("11", L11T, "| 11 | a one-layer student at 1000 steps, share of errors its own prefix caused: offline / on-policy "
+                 "| {}% / {}% |",
+     [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11T, "| 11 | a one-layer student at 1000 steps, the same share within its own answers: offline / on-policy "
+                 "| {}% / {}% |",
+     [("own_prefix_share_within_answer_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11T, "| 11 | a one-layer student at 1000 steps, the tails after an early eos, part of what its own prefix "
+                 "caused: offline / on-policy | {}% / {}% |",
+     [("own_prefix_errors_after_own_end_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
 ]
 
 
@@ -235,7 +251,8 @@ def experiment_figures():
                 value = value[key]
             signs.append("-" if value < 0 else "+")
         for i, path in enumerate(paths):
-            design = {L11C: " running counts", L11S: " small student"}.get(source, "")  # keys shared across designs
+            design = {L11C: " running counts", L11S: " small student", L11T: " small student 1000 steps"}.get(
+                source, "")  # keys shared across designs
             out.append(Figure(f"{lesson}{design} {'.'.join(map(str, path))}", signed_row(row, i, signs), source,
                               (("summary", *path),), combine="abs", scale=scale))
     return out
@@ -727,7 +744,7 @@ def test_the_readme_headline_rows_are_rows_of_the_results_page():
     strays = [row for row in rows if row not in page_text(RESULTS).split("\n")]
     assert rows and not strays, (f"README.md's headline rows that docs/results.md does not hold word for word: "
                                  f"{strays}; copy the row from docs/results.md")
-    assert any(f.page == README and f.source in (L02, L08, L11, L11C, L11S) for f in FIGURES)
+    assert any(f.page == README and f.source in (L02, L08, L11, L11C, L11S, L11T) for f in FIGURES)
 
 
 @pytest.mark.parametrize("fig", FIGURES, ids=[f.name for f in FIGURES])

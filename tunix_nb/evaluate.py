@@ -64,8 +64,10 @@ def right_tokens_by_row(graphdef, params, examples, *, tokenizer: Tokenizer | No
                         seq_len: int = data.DEFAULT_SEQ_LEN, max_new_tokens: int = data.MAX_NEW_TOKENS,
                         prompt_len: int = data.DEFAULT_PROMPT_LEN) -> dict:
     """`errors_by_position`'s counts before they are summed over rows: [N, T] bools
-    "teacher_forced" and "free_running" (token k of answer n is right), and "has" (answer
-    n has a token k), so that any subset of the rows gives its rates (`error_rates`)."""
+    "teacher_forced" and "free_running" (token k of answer n is right), "has" (answer n has
+    a token k), so that any subset of the rows gives its rates (`error_rates`), and
+    "own_answer" (the model's greedy answer reaches position k: its tokens and its eos;
+    `errors_after_own_end`)."""
     tokenizer = tokenizer or ByteTokenizer()
     rows = data.sft_arrays(examples, tokenizer, seq_len)
     logits_NxLxV = map_in_chunks(lambda b: model_lib.apply(graphdef, params, b["inputs"], b["attention_mask"]),
@@ -84,7 +86,25 @@ def right_tokens_by_row(graphdef, params, examples, *, tokenizer: Tokenizer | No
     own_NxT = map_in_chunks(lambda b: model_lib.greedy_generate(
         graphdef, params, b["tokens"], b["attention_mask"], max_new_tokens=T, eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id), prompts, 200)
-    return {"teacher_forced": forced_NxT & has_NxT, "free_running": (own_NxT == gold_NxT) & has_NxT, "has": has_NxT}
+    eos_NxT = own_NxT == tokenizer.eos_id
+    own_end_N = np.where(eos_NxT.any(axis=1), eos_NxT.argmax(axis=1), T)  # its eos, or T if it never stops
+    return {"teacher_forced": forced_NxT & has_NxT, "free_running": (own_NxT == gold_NxT) & has_NxT, "has": has_NxT,
+            "own_answer": np.arange(T) <= own_end_N[:, None]}
+
+
+def errors_after_own_end(right: dict, rows=slice(None)) -> dict:
+    """Where the errors of `right_tokens_by_row` lie, over `rows`: token error counts
+    (free-running and teacher-forced) within the model's own greedy answer (its tokens and
+    its eos) and after its end.
+
+    An answer that stops early has no token after its eos: each position there is a
+    free-running error that the right prefix (which has no eos there) does not make, so
+    free-running minus teacher-forced charges the whole missing tail to the model's own
+    prefix. The eos itself is within the answer, counted once, as any other wrong token."""
+    has_NxT, within_NxT = right["has"][rows], right["own_answer"][rows]
+    wrong = {key: ~right[key][rows] & has_NxT for key in ("free_running", "teacher_forced")}
+    return {"within": {key: int((w & within_NxT).sum()) for key, w in wrong.items()},
+            "after_end": {key: int((w & ~within_NxT).sum()) for key, w in wrong.items()}}
 
 
 def error_rates(right: dict, rows=slice(None)) -> dict:

@@ -20,7 +20,8 @@ the next bit" carries a slip into every later digit, and the teacher learnt to c
 Scored on the test split by edit similarity (it sees errors made after the student's own
 wrong prefix, which exact match cannot), exact match as a control, and by answer length;
 the share of token errors caused by the student's own prefix (`evaluate.errors_by_position`,
-free-running minus teacher-forced) on the longest third; and the same split by sub-task,
+free-running minus teacher-forced) on the longest third, and that share within the student's
+own answers, the tail an early eos leaves out (`evaluate.errors_after_own_end`); and the same split by sub-task,
 with what its wrong answers look like (edits from the right one; a symbol short or long),
 since a reversal's slips and a sort's are not alike (`by_task_summary`).
 """
@@ -172,6 +173,7 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
             "edits": [stats.edit_distance(a, e["completion"]) for a, e in zip(answers, test)],
             "own_length": [len(a) for a in answers],
             **error_figures(evaluate.error_rates(right)),
+            "errors_by_own_end": evaluate.errors_after_own_end(right),  # where an early eos leaves a missing tail
             "by_task": {task: error_figures(evaluate.error_rates(right, tasks[longest] == task))
                         for task in sorted(set(tasks))}}
 
@@ -218,7 +220,33 @@ def summarise(record: dict) -> dict:
         "by_task": {task: by_task_summary(runs, long, task) for task in sorted(set(runs["offline"][0]["task"]))},
         **{probe: slip_summary(runs, probe) for probe in ("after_a_slip", "after_own_slip")
            if probe in runs["offline"][0]},
+        **(own_end_summary(runs) if "errors_by_own_end" in runs["offline"][0] else {}),
     }
+
+
+def own_end_summary(runs: dict) -> dict:
+    """The longest third's own-prefix share within each arm's own answers (an early eos's
+    missing tail left out), and the part of its own-prefix errors that are that tail, per arm:
+    mean and per seed (`evaluate.errors_after_own_end`)."""
+    def per_seed(arm, figure):
+        return [figure(r["errors_by_own_end"]) for r in runs[arm]]
+
+    def within(errors):  # (free-running - teacher-forced) / free-running, inside the answers
+        return own_prefix_part(errors["within"]) / max(errors["within"]["free_running"], 1)
+
+    def tail(errors):  # the missing tails' part of all the errors the own prefix caused
+        caused = own_prefix_part(errors["within"]) + own_prefix_part(errors["after_end"])
+        return own_prefix_part(errors["after_end"]) / max(caused, 1)
+
+    return {name: {arm: {"mean": float(np.mean(per_seed(arm, figure))), "per_seed": per_seed(arm, figure)}
+                   for arm in runs}
+            for name, figure in (("own_prefix_share_within_answer_longest_third", within),
+                                 ("own_prefix_errors_after_own_end_longest_third", tail))}
+
+
+def own_prefix_part(counts: dict) -> int:
+    """Free-running minus teacher-forced token errors: those the model's own prefix caused."""
+    return counts["free_running"] - counts["teacher_forced"]
 
 
 def slip_summary(runs: dict, probe: str) -> dict:
