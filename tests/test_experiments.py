@@ -391,8 +391,8 @@ def test_lesson11s_own_end_summary_leaves_an_early_eos_tail_out_of_the_share_by_
     found = gkd_long.own_end_summary(runs)
     within = found["own_prefix_share_within_answer_longest_third"]
     assert within["offline"]["per_seed"] == [0.4, 0.25] and within["offline"]["mean"] == pytest.approx(0.325)
-    assert within["on_policy"]["per_seed"] == [0.1, 0.0]  # no error at all: no share, not a NaN
-    tail = found["own_prefix_errors_after_own_end_longest_third"]
+    assert within["on_policy"]["per_seed"] == [0.1, 0.0]  # no error at all: 0, not a NaN
+    tail = found["tail_part_of_own_prefix_errors_longest_third"]
     assert tail["offline"]["per_seed"] == [25 / 65, 0.0] and tail["on_policy"]["per_seed"] == [0.75, 0.0]
 
 

@@ -202,8 +202,9 @@ EXPERIMENT_ROWS = [
     ("11", L11S, "| 11 | a one-layer student, the same share within its own answers (the tail after an early eos left "
                  "out): offline / on-policy | {}% / {}% |",
      [("own_prefix_share_within_answer_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
-    ("11", L11T, "| 11 | a one-layer student at 1000 steps (the validation pilot with the lowest share), on-policy over "
-                 "offline, edit similarity on the 14-digit answers (95% interval) | {±}{} ({±}{} to {±}{}) |",
+    ("11", L11T, "| 11 | a one-layer student at 1000 steps (of the validation pilots at the default settings, the one "
+                 "with the lowest share), on-policy over offline, edit similarity on the 14-digit answers (95% "
+                 "interval) | {±}{} ({±}{} to {±}{}) |",
      gain_paths("on_policy_over_offline_longest_third"), 1),
     ("11", L11T, "| 11 | a one-layer student at 1000 steps, share of errors its own prefix caused: offline / on-policy "
                  "| {}% / {}% |",
@@ -213,7 +214,7 @@ EXPERIMENT_ROWS = [
      [("own_prefix_share_within_answer_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
     ("11", L11T, "| 11 | a one-layer student at 1000 steps, the tails after an early eos, part of what its own prefix "
                  "caused: offline / on-policy | {}% / {}% |",
-     [("own_prefix_errors_after_own_end_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+     [("tail_part_of_own_prefix_errors_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
 ]
 
 

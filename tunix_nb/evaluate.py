@@ -98,9 +98,10 @@ def errors_after_own_end(right: dict, rows=slice(None)) -> dict:
     its eos) and after its end.
 
     An answer that stops early has no token after its eos: each position there is a
-    free-running error that the right prefix (which has no eos there) does not make, so
-    free-running minus teacher-forced charges the whole missing tail to the model's own
-    prefix. The eos itself is within the answer, counted once, as any other wrong token."""
+    free-running error, which the right prefix (it has no eos there) mostly does not make,
+    so free-running minus teacher-forced charges nearly the whole missing tail to the
+    model's own prefix. The eos itself is within the answer, counted once, as any other
+    wrong token."""
     has_NxT, within_NxT = right["has"][rows], right["own_answer"][rows]
     wrong = {key: ~right[key][rows] & has_NxT for key in ("free_running", "teacher_forced")}
     return {"within": {key: int((w & within_NxT).sum()) for key, w in wrong.items()},

@@ -227,7 +227,8 @@ def summarise(record: dict) -> dict:
 def own_end_summary(runs: dict) -> dict:
     """The longest third's own-prefix share within each arm's own answers (an early eos's
     missing tail left out), and the part of its own-prefix errors that are that tail, per arm:
-    mean and per seed (`evaluate.errors_after_own_end`)."""
+    mean and per seed (`evaluate.errors_after_own_end`). A seed with no such error has 0 for
+    either fraction, not a NaN."""
     def per_seed(arm, figure):
         return [figure(r["errors_by_own_end"]) for r in runs[arm]]
 
@@ -241,7 +242,7 @@ def own_end_summary(runs: dict) -> dict:
     return {name: {arm: {"mean": float(np.mean(per_seed(arm, figure))), "per_seed": per_seed(arm, figure)}
                    for arm in runs}
             for name, figure in (("own_prefix_share_within_answer_longest_third", within),
-                                 ("own_prefix_errors_after_own_end_longest_third", tail))}
+                                 ("tail_part_of_own_prefix_errors_longest_third", tail))}
 
 
 def own_prefix_part(counts: dict) -> int:
