@@ -111,10 +111,34 @@ def test_the_launcher_names_the_first_process_to_die_not_the_lowest_numbered():
     message = launch._failure_message(exits, procs)
     assert message.startswith("launch: error: process 1 (pid 101) was killed by SIGKILL. Process 0 then was "
                               "killed by SIGABRT, before the launcher could stop it. Any error"), message
+    # reported the other way round (process 0's wait thread ran first): the abort is still the consequence
+    exits = launch._cause_first([(0, -signal.SIGABRT), (1, -signal.SIGKILL)])
+    assert exits == [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]
+    assert launch._cause_first([(0, 0), (1, -signal.SIGABRT), (2, -signal.SIGABRT)])[1] == (1, -signal.SIGABRT)
     # three processes: 0 finished cleanly, then 2 exited with an error while 1 still ran
     message = launch._failure_message([(0, 0), (2, 3)], procs + procs[:1])
     assert message.startswith("launch: error: process 2 (pid 100) exited with code 3; stopped the other "
                               "process (1), which would"), message
+
+
+def test_the_launcher_kills_only_the_processes_still_running_and_says_which():
+    """`_stop` asks the kernel, not `Popen.poll` (which answers None while a wait thread holds
+    the lock): a process that already ended, reaped or not, is not counted as stopped."""
+    import threading
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    reaped.wait()
+    while not launch._has_ended(done):  # a zombie until someone waits for it
+        time.sleep(0.01)
+    assert launch._has_ended(reaped) and not launch._has_ended(running)
+    waiter = threading.Thread(target=running.wait)  # holds the lock poll() would need
+    waiter.start()
+    time.sleep(0.1)
+    assert launch._stop([done, reaped, running]) == [2]
+    waiter.join(timeout=5)
+    assert running.returncode == -signal.SIGKILL and done.returncode == 0
 
 
 def test_the_launcher_waits_while_every_process_runs_and_stops_at_its_deadline():

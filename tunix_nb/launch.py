@@ -80,18 +80,37 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _stop(procs) -> None:
-    """SIGKILL every process still running, and reap them.
+def _stop(procs) -> list[int]:
+    """SIGKILL every process still running, and reap them; returns which it killed.
 
     Not SIGTERM: JAX's preemption notifier catches it in every process, and a process
     whose peer is gone can neither finish its step nor save. Committed checkpoints are
     safe; a save cut short stays a `*.orbax-checkpoint-tmp` directory that resuming ignores.
     """
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    killed = [i for i, p in enumerate(procs) if not _has_ended(p)]
+    for i in killed:
+        procs[i].kill()
     for p in procs:
         p.wait()
+    return killed
+
+
+def _has_ended(proc) -> bool:
+    """Whether `proc` has ended, asked of the kernel without reaping it: `Popen.poll` answers
+    None while the process's wait thread holds its lock, even for a process already dead."""
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # its wait thread has reaped it: it has ended
+        return True
+
+
+def _cause_first(exits):
+    """`exits` (process, code) with the failure to name as the cause first. A peer of a killed
+    process aborts (SIGABRT, in gloo) within milliseconds, and the two wait threads may report
+    in either order; so a failure other than an abort goes before the aborts."""
+    failures = [e for e in exits if e[1] != 0]
+    cause = next((e for e in failures if e[1] != -signal.SIGABRT), failures[0])
+    return [e for e in exits if e[1] == 0] + [cause] + [e for e in failures if e != cause]
 
 
 def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port: int | None = None,
@@ -152,19 +171,24 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     exits = _watch(ended, drain, processes, deadline)
     failures = [(i, code) for i, code in exits if code != 0]
-    if failures or len(exits) < processes:
-        _stop(procs)
+    killed = _stop(procs) if failures or len(exits) < processes else []
     for t in threads:
         t.join(timeout=5)
     drain(0)
+    while not ended.empty():  # those that ended on their own before the launcher looked again
+        i, code = ended.get()
+        if i not in killed and i not in {k for k, _ in exits}:
+            exits.append((i, code))
+    failures = [(i, code) for i, code in exits if code != 0]
     if not failures and len(exits) == processes:
         print_fn(f"launch: all {processes} processes finished")
         return 0
     if not failures:
         print_fn(f"launch: error: the run took longer than {timeout_s} s; stopped all {processes} processes.")
         return 1
+    exits = _cause_first(exits)
     print_fn(_failure_message(exits, procs))
-    code = failures[0][1]
+    code = next(code for _, code in exits if code != 0)
     return code if code > 0 else 1
 
 
