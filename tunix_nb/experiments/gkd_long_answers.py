@@ -239,10 +239,14 @@ def own_end_summary(runs: dict) -> dict:
         caused = own_prefix_part(errors["within"]) + own_prefix_part(errors["after_end"])
         return own_prefix_part(errors["after_end"]) / max(caused, 1)
 
-    return {name: {arm: {"mean": float(np.mean(per_seed(arm, figure))), "per_seed": per_seed(arm, figure)}
-                   for arm in runs}
+    return {name: {arm: mean_and_seeds(per_seed(arm, figure)) for arm in runs}
             for name, figure in (("own_prefix_share_within_answer_longest_third", within),
                                  ("tail_part_of_own_prefix_errors_longest_third", tail))}
+
+
+def mean_and_seeds(values: list) -> dict:
+    """A figure over seeds as the summary keeps it: {"mean", "per_seed"}."""
+    return {"mean": float(np.mean(values)), "per_seed": values}
 
 
 def own_prefix_part(counts: dict) -> int:
@@ -254,18 +258,16 @@ def slip_summary(runs: dict, probe: str) -> dict:
     """The count family's shares right after a slip (`after_a_slip`: planted; `after_own_slip`:
     the model's own), right digit and slip carried on, per arm: mean and per seed."""
     per_seed = lambda arm, key: [r[probe][key] for r in runs[arm]]  # noqa: E731
-    return {arm: {key: {"mean": float(np.mean(per_seed(arm, key))), "per_seed": per_seed(arm, key)}
-                  for key in ("right", "carried")} for arm in runs}
+    return {arm: {key: mean_and_seeds(per_seed(arm, key)) for key in ("right", "carried")} for arm in runs}
 
 
 def error_summary(figures_by_arm: dict) -> dict:
     """The longest third's own-prefix share (mean and per seed), free-running and teacher-forced error, per arm."""
     values = lambda arm, key: [f[key] for f in figures_by_arm[arm]]  # noqa: E731
     return {
-        "own_prefix_share_longest_third": {arm: {"mean": float(np.mean(values(arm, "own_prefix_share"))),
-                                                 "per_seed": values(arm, "own_prefix_share")} for arm in figures_by_arm},
-        "free_running_error_longest_third": {arm: {"mean": float(np.mean(values(arm, "free_running_error"))),
-                                                   "per_seed": values(arm, "free_running_error")}
+        "own_prefix_share_longest_third": {arm: mean_and_seeds(values(arm, "own_prefix_share"))
+                                           for arm in figures_by_arm},
+        "free_running_error_longest_third": {arm: mean_and_seeds(values(arm, "free_running_error"))
                                              for arm in figures_by_arm},
         "teacher_forced_error_longest_third": {arm: float(np.mean(values(arm, "teacher_forced_error")))
                                                for arm in figures_by_arm},
