@@ -463,3 +463,16 @@ def test_the_count_familys_answers_are_running_counts_that_fit_the_long_lengths(
     tok = ByteTokenizer()
     data.sft_arrays(examples, tok, data.LONG_SEQ_LEN)  # raises if a row does not fit
     data.prompt_arrays([e["prompt"] for e in examples], tok, data.LONG_PROMPT_LEN)
+
+
+def test_the_count14_familys_answers_are_running_counts_of_exactly_14_bits():
+    """The count14 family: the count family's answers, every one of LONG_MAX = 14 bits; the
+    count family's draws stay what they were (its default length range is untouched)."""
+    examples = data.generate_sft(300, seed=0, family="count14")
+    assert {e["task"] for e in examples} == set(data.COUNT_TASKS) and len({e["prompt"] for e in examples}) == 300
+    for e in examples:
+        bits = e["prompt"].removeprefix("cnt ").removesuffix("=")
+        assert len(bits) == 14 and set(bits) <= {"0", "1"}
+        assert e["completion"] == "".join(str(bits[:i + 1].count("1") % 10) for i in range(14))
+    lengths = {len(e["completion"]) for e in data.generate_sft(300, seed=0, family="count")}
+    assert min(lengths) < 14 and max(lengths) == 14

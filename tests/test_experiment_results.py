@@ -39,6 +39,10 @@ QUOTED_GAINS = [
     ("11_on_policy_distillation", "lesson11_gkd_small_student_1000_steps", ("on_policy_over_offline_longest_third",),
      SIMILARITY),
     ("11_on_policy_distillation", "lesson11_gkd_small_student_1000_steps", ("exact_match_control",), {}),
+    ("11_on_policy_distillation", "lesson11_gkd_count14", ("on_policy_over_offline_longest_third",), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_count14", ("exact_match_control",), {}),
+    ("11_on_policy_distillation", "lesson11_count14_pilots/steps_200", ("on_policy_over_offline_longest_third",),
+     SIMILARITY),
 ]
 
 
@@ -117,6 +121,13 @@ def lesson11_small_1000():
     return rec, gkd_long_answers.summarise(rec)
 
 
+@pytest.fixture(scope="module")
+def lesson11_count14():
+    """Lesson 11's fourth design: running counts of exactly 14 bits (`--set family=count14`)."""
+    rec = record("lesson11_gkd_count14")
+    return rec, gkd_long_answers.summarise(rec)
+
+
 @pytest.mark.parametrize("name, command", [
     ("lesson02_distillation", "python -m tunix_nb.experiments lesson02_distillation --seeds 5"),
     ("lesson08_grpo", "python -m tunix_nb.experiments lesson08_grpo --seeds 5"),
@@ -126,6 +137,8 @@ def lesson11_small_1000():
      "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count --set student=small_student"),
     ("lesson11_gkd_small_student_1000_steps", "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set "
                                               "family=count --set student=small_student --set steps=1000"),
+    ("lesson11_gkd_count14", "python -m tunix_nb.experiments lesson11_gkd --seeds 5 --set family=count14 "
+                             "--set steps=120"),
 ])
 def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name, command):
     rec = record(name)
@@ -136,9 +149,10 @@ def test_each_record_holds_five_seeds_on_1000_test_prompts_and_its_command(name,
 
 
 def test_the_stored_summary_is_what_the_scores_give(lesson02, lesson08, lesson11, lesson11_count, lesson11_small,
-                                                    lesson11_small_1000):
+                                                    lesson11_small_1000, lesson11_count14):
     """The summary written beside the runs is recomputed from them, not edited."""
-    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count, lesson11_small, lesson11_small_1000):
+    for rec, summary in (lesson02, lesson08, lesson11, lesson11_count, lesson11_small, lesson11_small_1000,
+                         lesson11_count14):
         assert_same_summary(summary, rec["summary"])
 
 
@@ -337,26 +351,85 @@ def test_lesson11s_one_layer_runs_leave_more_of_their_own_prefix_errors_in_early
         assert run["own_prefix_share"] == pytest.approx((free - forced) / free)
 
 
+def test_lesson11_on_counts_of_one_length_on_policy_beats_offline_in_edit_similarity(lesson11_count14):
+    """Lesson 11's first target, on the fourth design (every answer has 14 digits, so the
+    longest third is every answer)."""
+    rec, summary = lesson11_count14
+    assert rec["config"]["eval_split"] == "test" and rec["config"]["family"] == "count14"
+    gain = summary["on_policy_over_offline_longest_third"]
+    assert gain["mean"] > 0 and gain["ci95"][0] > 0
+    stated = f"{stats.describe_gain(gain, **SIMILARITY)}**, {positive_seeds(gain)}"
+    assert stated in " ".join(markdown("11_on_policy_distillation").split())
+
+
+def test_lesson11_on_counts_of_one_length_on_policy_halves_the_share_of_errors_its_own_prefix_causes(
+        lesson11_count14):
+    """Lesson 11's second target, met on the fourth design: over the five seeds' mean, and on
+    every seed against its own offline arm."""
+    share = lesson11_count14[1]["own_prefix_share_longest_third"]
+    assert share["on_policy"]["mean"] <= 0.5 * share["offline"]["mean"]
+    assert all(on <= 0.5 * off for on, off in zip(share["on_policy"]["per_seed"], share["offline"]["per_seed"]))
+
+
+def test_lesson11_on_counts_of_one_length_almost_no_answer_stops_early(lesson11_count14):
+    """What the fourth design was built for: with one length, no offline answer ends before
+    its 14th digit; in either arm at most 1% of the answers a seed have another length, and
+    the missing tails of those that stop early are at most 5 digits a seed (of 14,000), so
+    the errors the own prefix causes are slips carried on."""
+    runs = lesson11_count14[0]["runs"]["long"]
+    assert all(run["errors_by_own_end"]["after_end"]["free_running"] == 0 for run in runs["offline"])
+    for run in runs["offline"] + runs["on_policy"]:
+        assert run["errors_by_own_end"]["after_end"]["free_running"] <= 5
+        assert np.mean(np.array(run["own_length"]) != 14) <= 0.01
+
+
+def test_lesson11_on_counts_of_one_length_on_policy_corrects_its_own_slips_not_planted_ones(lesson11_count14):
+    """Where the fourth design's gain comes from, seed by seed: after its own first slip the
+    on-policy student gives the right digit far more often than offline, which carries
+    nearly every slip on; a slip planted one too high both carry on nearly always (lesson 11)."""
+    summary = lesson11_count14[1]
+    own, planted = summary["after_own_slip"], summary["after_a_slip"]
+    assert all(on >= off + 0.5 for on, off in zip(own["on_policy"]["right"]["per_seed"],
+                                                  own["offline"]["right"]["per_seed"]))
+    assert min(planted[arm]["carried"]["mean"] for arm in planted) >= 0.9
+
+
+def test_lesson11_on_counts_of_one_length_offline_learns_the_local_rule_by_200_steps():
+    """The fourth design's step pilots, as lesson 11 reads them: on-policy's gain peaks where
+    the offline student still carries its slips on, and by 200 steps the offline student
+    makes almost no error at all while the on-policy one keeps its slips (and loses)."""
+    pilots = {int(p.stem.removeprefix("steps_")): json.loads(p.read_text())["summary"] for p in COUNT14_PILOTS}
+    assert sorted(pilots) == [40, 80, 120, 160, 200]
+    late = pilots[200]
+    assert late["free_running_error_longest_third"]["offline"]["mean"] < 0.001
+    assert late["teacher_forced_error_longest_third"]["on_policy"] > 0.02
+    assert late["on_policy_over_offline_longest_third"]["ci95"][1] < 0
+
+
 COUNT_PILOTS = sorted((RESULTS / "lesson11_count_pilots").glob("*.json"))
 SMALL_PILOTS = sorted((RESULTS / "lesson11_small_student_pilots").glob("*.json"))
+COUNT14_PILOTS = sorted((RESULTS / "lesson11_count14_pilots").glob("*.json"))
 # each count-family design's pilots: (their folder, the flags their command starts with)
 COUNT_DESIGNS = {"lesson11_count_pilots": "--set family=count --set eval_split=validation",
                  "lesson11_small_student_pilots":
-                     "--set family=count --set student=small_student --set eval_split=validation"}
+                     "--set family=count --set student=small_student --set eval_split=validation",
+                 "lesson11_count14_pilots": "--set family=count14 --set eval_split=validation"}
 
 
-@pytest.mark.parametrize("path", COUNT_PILOTS + SMALL_PILOTS,
-                         ids=[f"{p.parent.name}-{p.stem}" for p in COUNT_PILOTS + SMALL_PILOTS])
+@pytest.mark.parametrize("path", COUNT_PILOTS + SMALL_PILOTS + COUNT14_PILOTS,
+                         ids=[f"{p.parent.name}-{p.stem}" for p in COUNT_PILOTS + SMALL_PILOTS + COUNT14_PILOTS])
 def test_lesson11_count_pilots_were_scored_on_validation_with_their_command(path):
     pilot = json.loads(path.read_text())
-    assert pilot["config"]["eval_split"] == "validation" and pilot["config"]["family"] == "count", path.name
+    family = "count14" if path.parent.name == "lesson11_count14_pilots" else "count"
+    assert pilot["config"]["eval_split"] == "validation" and pilot["config"]["family"] == family, path.name
     assert COUNT_DESIGNS[path.parent.name] in pilot["command"] and (
         f"--out results/{path.parent.name}/{path.name}" in pilot["command"]), f"{path.name}: its command"
     assert_same_summary(gkd_long_answers.summarise(pilot), pilot["summary"])
 
 
 @pytest.mark.parametrize("pilots, design, at_least", [(COUNT_PILOTS, "lesson11_count", 6),
-                                                       (SMALL_PILOTS, "lesson11_small", 2)])
+                                                       (SMALL_PILOTS, "lesson11_small", 2),
+                                                       (COUNT14_PILOTS, "lesson11_count14", 5)])
 def test_lesson11s_count_designs_are_the_validation_pilots_with_the_largest_gain(pilots, design, at_least, request):
     """Each stored test run's settings were chosen on validation: the pilot whose gain was largest."""
     stored = request.getfixturevalue(design)[0]
@@ -431,6 +504,13 @@ def test_the_datasheet_quotes_the_small_students_validation_exact_match(lesson11
     em = lesson11_small[0]["setup"]["validation_exact_match"]["student"]
     row = next(line for line in (ROOT / "data" / "README.md").read_text().splitlines()
                if line.startswith("| `count_small_student/`"))
+    assert f"validation exact match {em:.1%}" in row
+
+
+def test_the_datasheet_quotes_the_count14_students_validation_exact_match(lesson11_count14):
+    em = lesson11_count14[0]["setup"]["validation_exact_match"]["student"]
+    row = next(line for line in (ROOT / "data" / "README.md").read_text().splitlines()
+               if line.startswith("| `count14_student/`"))
     assert f"validation exact match {em:.1%}" in row
 
 

@@ -170,8 +170,11 @@ def test_set_changes_one_config_field_by_its_type_and_names_the_fields_when_wron
     with pytest.raises(ValueError, match="'test' .* or 'validation'"):
         configured(GkdLongConfig, ["eval_split=train"])
     assert configured(GkdLongConfig, ["family=count"]).family == "count"
-    with pytest.raises(ValueError, match="family is one of long, count; got 'short'"):
+    with pytest.raises(ValueError, match="family is one of long, count, count14; got 'short'"):
         configured(GkdLongConfig, ["family=short"])
+    assert configured(GkdLongConfig, ["family=count14"]).family == "count14"
+    with pytest.raises(ValueError, match="got 'small_student' with family='count14'"):
+        configured(GkdLongConfig, ["family=count14", "student=small_student"])
     assert configured(GkdLongConfig, ["family=count", "student=small_student"]).student == "small_student"
     with pytest.raises(ValueError, match="'small_student' with family=count; got 'small_student' with family='long'"):
         configured(GkdLongConfig, ["student=small_student"])
@@ -409,3 +412,27 @@ def test_count_family_loads_its_three_checkpoints_each_made_by_its_recipe():
         assert model.count_params(params) == model.count_params(model.split(model.make_model(recipe.preset))[1])
     with pytest.raises(ValueError, match="one of teacher, student, small_student; got 'tiny'"):
         count_family.load("tiny")
+
+
+def test_count14_family_loads_its_student_made_by_its_recipe_and_the_count_teacher():
+    """The fourth design's student (`data/count14_student`) is its recipe's, and its splits hold
+    running counts of 14 bits, no prompt in two of them."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from tunix_nb import checkpoint
+    from tunix_nb.experiments import count14_family, count_family
+
+    meta = checkpoint.load_meta(count14_family.STUDENT_DIR)
+    assert meta["recipe"] == dataclasses.asdict(count14_family.STUDENT) and meta["family"] == "count14"
+    teacher = count14_family.load("teacher")[1]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(teacher),
+                                                     jax.tree.leaves(count_family.load("teacher")[1])))
+    splits = count14_family.splits()
+    assert {name: len(rows) for name, rows in splits.items()} == count14_family.SIZES
+    prompts = [e["prompt"] for rows in splits.values() for e in rows]
+    assert len(set(prompts)) == len(prompts) and {len(p) for p in prompts} == {len("cnt =") + 14}
+    with pytest.raises(ValueError, match="'student' or 'teacher'; got 'small_student'"):
+        count14_family.load("small_student")

@@ -195,13 +195,20 @@ def running_counts(bits: str) -> str:
     return "".join(out)
 
 
-def _running_count(rng: random.Random) -> tuple[str, str, list[str]]:
-    bits = "".join(rng.choice("01") for _ in range(rng.randint(LONG_MIN, LONG_MAX)))
+def _running_count(rng: random.Random, min_bits: int = LONG_MIN) -> tuple[str, str, list[str]]:
+    bits = "".join(rng.choice("01") for _ in range(rng.randint(min_bits, LONG_MAX)))
     return f"cnt {bits}=", running_counts(bits), []
 
 
+def _running_count_of_14_bits(rng: random.Random) -> tuple[str, str, list[str]]:
+    return _running_count(rng, min_bits=LONG_MAX)
+
+
+# "count14": the same running counts, always of LONG_MAX = 14 bits, so that a model never has
+# to guess where its answer ends (lesson 11's fourth design, `tunix_nb.experiments.count14_family`)
 FAMILIES = {"short": (TASKS, _SAMPLERS), "long": (LONG_TASKS, _LONG_SAMPLERS),
-            "count": (COUNT_TASKS, {"running_count": _running_count})}
+            "count": (COUNT_TASKS, {"running_count": _running_count}),
+            "count14": (COUNT_TASKS, {"running_count": _running_count_of_14_bits})}
 
 
 def _generate(n: int, seed: int, exclude: Iterable[str], preferences: bool, family: str = "short") -> list[dict]:
@@ -237,7 +244,8 @@ def generate_sft(n: int, seed: int, *, exclude: Iterable[str] = (), family: str 
     Prompts are unique and never one of `exclude` (to keep eval apart from train).
     `family="long"`: the long family's sub-tasks (`LONG_TASKS`, answers of 6-14 symbols;
     encode them with `LONG_SEQ_LEN`, generate with `LONG_PROMPT_LEN` and `LONG_MAX_NEW_TOKENS`);
-    `family="count"`: running counts of 6-14 bits (`COUNT_TASKS`), at the same lengths.
+    `family="count"`: running counts of 6-14 bits (`COUNT_TASKS`), at the same lengths;
+    `family="count14"`: running counts of exactly 14 bits.
     """
     return _generate(n, seed, exclude, preferences=False, family=family)
 

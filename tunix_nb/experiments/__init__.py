@@ -6,6 +6,7 @@ stores the record; each experiment is a module of its own, named for what it ask
 
 - `scarce_labels` (lesson 02): distillation when labels are scarce and prompts are free;
 - `long_family` (lessons 08 and 11): the long task family's splits, checkpoints and pilot gate;
+- `count_family` and `count14_family` (lesson 11): running counts, of 6-14 bits and of exactly 14;
 - `grpo_pass_at_k` (lesson 08): GRPO turning pass@k into pass@1 on long answers;
 - `gkd_long_answers` (lesson 11): on-policy distillation where errors compound.
 

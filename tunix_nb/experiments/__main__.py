@@ -8,7 +8,8 @@ of another design on the validation split: `python -m tunix_nb.experiments lesso
 shipped checkpoints (`long_family.STUDENT` and `TEACHER`, into data/long_student and
 data/long_teacher) and prints the student's pilot gate; with `--family count`, the count
 family's three (`count_family`, into data/count_student, data/count_teacher and
-data/count_small_student).
+data/count_small_student); with `--family count14`, the fixed-length count family's student
+(`count14_family`, into data/count14_student).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 ... N-1 (initialisation and data order)")
     parser.add_argument("--out", required=True, help="the JSON record to write (e.g. results/<experiment>.json); "
                         "for `checkpoints`, the folder that gets long_student/ and long_teacher/")
-    parser.add_argument("--family", choices=("long", "count"), default="long",
+    parser.add_argument("--family", choices=("long", "count", "count14"), default="long",
                         help="for `checkpoints`: which task family's checkpoints to remake")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="change one field of the experiment's config (repeatable)")
@@ -84,10 +85,10 @@ def read_bool(value: str) -> bool:
 
 def remake_checkpoints(out: Path, family: str = "long") -> int:
     from tunix_nb import checkpoint
-    from tunix_nb.experiments import count_family, long_family
+    from tunix_nb.experiments import count14_family, count_family, long_family
 
-    if family == "count":
-        for name, metrics in count_family.remake(out).items():
+    if family in ("count", "count14"):
+        for name, metrics in {"count": count_family, "count14": count14_family}[family].remake(out).items():
             print(f"{name}: {metrics}", flush=True)
         return 0
 

@@ -46,10 +46,16 @@ CHECKPOINTS = {"teacher": (TEACHER, TEACHER_DIR), "student": (STUDENT, STUDENT_D
 @cache
 def splits() -> dict[str, list[dict]]:
     """Every split, each prompt in exactly one of them."""
+    return draw_splits(SPLIT_SEEDS, SIZES, family="count")
+
+
+def draw_splits(split_seeds: dict, sizes: dict, family: str) -> dict[str, list[dict]]:
+    """`sizes[name]` examples of `family` per split, each from `split_seeds[name]`, drawn in
+    order and each prompt in exactly one split."""
     seen: list[str] = []
     out = {}
-    for name, n in SIZES.items():
-        out[name] = data.generate_sft(n, seed=SPLIT_SEEDS[name], family="count", exclude=seen)
+    for name, n in sizes.items():
+        out[name] = data.generate_sft(n, seed=split_seeds[name], family=family, exclude=seen)
         seen += [e["prompt"] for e in out[name]]
     return out
 
@@ -61,9 +67,11 @@ def remake(out_dir, which=tuple(CHECKPOINTS)) -> dict:
             for name in which}
 
 
-def validation_exact_match(student, teacher) -> dict:
-    """Both checkpoints' greedy exact match on the validation split (the datasheet's figures)."""
-    return {name: float(greedy_correct(*model, splits()["validation"]).mean())
+def validation_exact_match(student, teacher, validation=None) -> dict:
+    """Both checkpoints' greedy exact match on the validation split (default: this family's;
+    the datasheet's figures)."""
+    validation = splits()["validation"] if validation is None else validation
+    return {name: float(greedy_correct(*model, validation).mean())
             for name, model in (("student", student), ("teacher", teacher))}
 
 

@@ -48,7 +48,9 @@ class GkdLongConfig:
     lmbda: float = 1.0  # the on-policy arm's share of steps on the student's own samples (TRL's lmbda)
     offline_first: int = 0  # steps of offline distillation both arms share before they part (a warm start)
     eval_split: str = "test"  # "validation" for pilots: designs are chosen there, never on the test prompts
-    family: str = "long"  # "count": running counts, where a slip is carried into every later digit
+    # "count": running counts, where a slip is carried into every later digit; "count14": the
+    # same of exactly 14 bits, with its own one-layer student, so that no answer stops early
+    family: str = "long"
     student: str = "student"  # the count family's "small_student": a one-layer student, nearer its floor
     # a diagnostic, not a design: the offline arm's answer inputs swapped at this rate
     # (`long_family.with_wrong_prefixes`), the teacher scoring every position, so that it is
@@ -67,7 +69,9 @@ class GkdLongConfig:
 
 
 CONFIG_CLASS = GkdLongConfig
-FAMILIES = {"long": "long_family", "count": "count_family"}  # the module with each family's splits and checkpoints
+# the module with each family's splits and checkpoints
+FAMILIES = {"long": "long_family", "count": "count_family", "count14": "count14_family"}
+COUNTS = ("count", "count14")  # the families of running counts, which get the slip probes
 
 
 def settings(config: GkdLongConfig) -> list[str]:
@@ -79,7 +83,7 @@ def prepare(config: GkdLongConfig) -> dict:
 
     family = importlib.import_module(f"tunix_nb.experiments.{FAMILIES[config.family]}")
     shared = {**family.splits(), "student": family.load(config.student), "teacher": family.load("teacher")}
-    if config.family == "count":  # the record keeps the datasheet's figures of the two checkpoints
+    if config.family in COUNTS:  # the record keeps the datasheet's figures of the two checkpoints
         shared["record"] = {"validation_exact_match": family.validation_exact_match(shared["student"],
                                                                                     shared["teacher"])}
     return shared
@@ -162,7 +166,7 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
     right = evaluate.right_tokens_by_row(graphdef, params, [e for e, x in zip(test, longest) if x],
                                           seq_len=data.LONG_SEQ_LEN, **long_family.LENGTHS)
     slip = {}
-    if config.family == "count":  # what it predicts right after a miscount: the right digit, or the slip carried on
+    if config.family in COUNTS:  # what it predicts right after a miscount: the right digit, or the slip carried on
         from tunix_nb.experiments import count_family
 
         slip = {"after_a_slip": count_family.after_a_slip(graphdef, params, test),  # a slip planted, one too high
