@@ -54,7 +54,8 @@ QUOTES_RESULTS = {
                       ("bench.json", "figures", "lora_optimizer_state_share"),
                       ("bench.json", "figures", "lora_step_time_ratio")],
     "11_on_policy_distillation": [("lesson11_gkd.json",), ("lesson11_gkd_count.json",),
-                                  ("lesson11_gkd_small_student.json",), ("lesson11_gkd_small_student_1000_steps.json",)],
+                                  ("lesson11_gkd_small_student.json",), ("lesson11_gkd_small_student_1000_steps.json",),
+                                  ("lesson11_gkd_count14.json",)],
 }
 
 # notebook -> {a phrase of its prose, literally: why the number in it is no measurement}

@@ -125,6 +125,7 @@ L02, L08, L11 = "lesson02_distillation.json", "lesson08_grpo.json", "lesson11_gk
 L11C = "lesson11_gkd_count.json"  # lesson 11's second design, running counts
 L11S = "lesson11_gkd_small_student.json"  # its third design, running counts with a one-layer student
 L11T = "lesson11_gkd_small_student_1000_steps.json"  # the third design at 1000 steps, chosen on validation for the share
+L11F = "lesson11_gkd_count14.json"  # the fourth design, running counts of exactly 14 bits
 
 
 GATE = ("greedy", "pass_at_1", "pass_at_8")
@@ -215,6 +216,19 @@ EXPERIMENT_ROWS = [
     ("11", L11T, "| 11 | a one-layer student at 1000 steps, the tails after an early eos, part of what its own prefix "
                  "caused: offline / on-policy | {}% / {}% |",
      [("tail_part_of_own_prefix_errors_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11F, "| 11 | counts of exactly 14 bits, a one-layer student stopped early (5 seeds, 1000 test prompts, 120 "
+                 "steps: the validation pilot with the largest gain), on-policy over offline, edit similarity (95% "
+                 "interval) | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("on_policy_over_offline_longest_third"), 1),
+    ("11", L11F, "| 11 | counts of 14 bits, share of errors its own prefix caused: offline / on-policy | {}% / {}% |",
+     [("own_prefix_share_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11F, "| 11 | counts of 14 bits, free-running token error: offline / on-policy | {}% / {}% |",
+     [("free_running_error_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11F, "| 11 | counts of 14 bits, right after its own first slip: the right digit, offline / on-policy "
+                 "| {}% / {}% |",
+     [("after_own_slip", arm, "right", "mean") for arm in ("offline", "on_policy")], 100),
+    ("11", L11F, "| 11 | counts of 14 bits, same, exact match (the control), points | {±}{} ({±}{} to {±}{}) |",
+     gain_paths("exact_match_control"), 100),
 ]
 
 
@@ -252,7 +266,8 @@ def experiment_figures():
                 value = value[key]
             signs.append("-" if value < 0 else "+")
         for i, path in enumerate(paths):
-            design = {L11C: " running counts", L11S: " small student", L11T: " small student 1000 steps"}.get(
+            design = {L11C: " running counts", L11S: " small student", L11T: " small student 1000 steps",
+                      L11F: " counts of 14 bits"}.get(
                 source, "")  # keys shared across designs
             out.append(Figure(f"{lesson}{design} {'.'.join(map(str, path))}", signed_row(row, i, signs), source,
                               (("summary", *path),), combine="abs", scale=scale))
@@ -745,7 +760,7 @@ def test_the_readme_headline_rows_are_rows_of_the_results_page():
     strays = [row for row in rows if row not in page_text(RESULTS).split("\n")]
     assert rows and not strays, (f"README.md's headline rows that docs/results.md does not hold word for word: "
                                  f"{strays}; copy the row from docs/results.md")
-    assert any(f.page == README and f.source in (L02, L08, L11, L11C, L11S, L11T) for f in FIGURES)
+    assert any(f.page == README and f.source in (L02, L08, L11, L11C, L11S, L11T, L11F) for f in FIGURES)
 
 
 @pytest.mark.parametrize("fig", FIGURES, ids=[f.name for f in FIGURES])
