@@ -1,3 +1,4 @@
+import hashlib
 import json
 import re
 import subprocess
@@ -474,5 +475,8 @@ def test_the_count14_familys_answers_are_running_counts_of_exactly_14_bits():
         bits = e["prompt"].removeprefix("cnt ").removesuffix("=")
         assert len(bits) == 14 and set(bits) <= {"0", "1"}
         assert e["completion"] == "".join(str(bits[:i + 1].count("1") % 10) for i in range(14))
-    lengths = {len(e["completion"]) for e in data.generate_sft(300, seed=0, family="count")}
-    assert min(lengths) < 14 and max(lengths) == 14
+    counts = data.generate_sft(300, seed=0, family="count")
+    assert min(len(e["completion"]) for e in counts) < 14
+    # the count family's draws before count14 was added (sha256 of their JSON, the code of that commit)
+    digest = hashlib.sha256(json.dumps(counts).encode()).hexdigest()
+    assert digest.startswith("2544fccb46fccc9e"), digest

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from tunix_nb.experiments import EXPERIMENTS
 
+COUNT_FAMILIES = {"count": "count_family", "count14": "count14_family"}  # `--family`: the module that remakes them
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tunix_nb.experiments", description=__doc__.splitlines()[0])
@@ -30,7 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 ... N-1 (initialisation and data order)")
     parser.add_argument("--out", required=True, help="the JSON record to write (e.g. results/<experiment>.json); "
                         "for `checkpoints`, the folder that gets long_student/ and long_teacher/")
-    parser.add_argument("--family", choices=("long", "count", "count14"), default="long",
+    parser.add_argument("--family", choices=("long", *COUNT_FAMILIES), default="long",
                         help="for `checkpoints`: which task family's checkpoints to remake")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="change one field of the experiment's config (repeatable)")
@@ -85,10 +87,11 @@ def read_bool(value: str) -> bool:
 
 def remake_checkpoints(out: Path, family: str = "long") -> int:
     from tunix_nb import checkpoint
-    from tunix_nb.experiments import count14_family, count_family, long_family
+    from tunix_nb.experiments import long_family
 
-    if family in ("count", "count14"):
-        for name, metrics in {"count": count_family, "count14": count14_family}[family].remake(out).items():
+    if family in COUNT_FAMILIES:
+        counts = importlib.import_module(f"tunix_nb.experiments.{COUNT_FAMILIES[family]}")
+        for name, metrics in counts.remake(out).items():
             print(f"{name}: {metrics}", flush=True)
         return 0
 

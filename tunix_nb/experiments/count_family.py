@@ -68,8 +68,8 @@ def remake(out_dir, which=tuple(CHECKPOINTS)) -> dict:
 
 
 def validation_exact_match(student, teacher, validation=None) -> dict:
-    """Both checkpoints' greedy exact match on the validation split (default: this family's;
-    the datasheet's figures)."""
+    """Both checkpoints' greedy exact match on `validation`, by default this family's
+    validation split (the datasheet's figures)."""
     validation = splits()["validation"] if validation is None else validation
     return {name: float(greedy_correct(*model, validation).mean())
             for name, model in (("student", student), ("teacher", teacher))}
