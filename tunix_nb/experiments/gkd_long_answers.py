@@ -13,9 +13,10 @@ over rows of the same length (`data.LONG_SEQ_LEN`):
 Both train on the generalized JSD (beta 0.5) alone (alpha 1): on-policy rows carry no
 right answer, so the offline arm gets no cross-entropy either.
 
-Two task families (`family`): the long family (reversals and sorts, `long_family`), and
+Three task families (`family`): the long family (reversals and sorts, `long_family`);
 running counts of bits (`count_family`), where a student that learnt "the digit before plus
-the next bit" carries a slip into every later digit, and the teacher learnt to correct it.
+the next bit" carries a slip into every later digit, and the teacher learnt to correct it;
+and the same counts of exactly 14 bits (`count14_family`), where no answer stops early.
 
 Scored on the test split by edit similarity (it sees errors made after the student's own
 wrong prefix, which exact match cannot), exact match as a control, and by answer length;
