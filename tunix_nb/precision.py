@@ -14,11 +14,26 @@ import jax.numpy as jnp
 from tunix_nb import devices
 
 
+# What "auto" stands for when set (`set_auto_compute_dtype`); None: the backend's default.
+_auto_override = None
+
+
+def set_auto_compute_dtype(compute_dtype=None):
+    """Make "auto" mean `compute_dtype` ("float32", "bfloat16") from now on; None restores the
+    backend's default. Returns the previous setting. `compare.use_agreement_precision` sets
+    float32, so that a lesson of checks computes alike on a CPU, a TPU and a GPU."""
+    global _auto_override
+    if compute_dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or None, got {compute_dtype!r}.")
+    previous, _auto_override = _auto_override, compute_dtype
+    return previous
+
+
 def resolve_compute_dtype(compute_dtype="auto"):
     """"auto": the backend's default (`devices.defaults_for`: bfloat16 on TPU and bf16-capable
-    GPUs, float32 = None on CPU and older GPUs)."""
+    GPUs, float32 = None on CPU and older GPUs), unless `set_auto_compute_dtype` chose one."""
     if compute_dtype == "auto":
-        compute_dtype = devices.defaults_for().compute_dtype
+        compute_dtype = _auto_override or devices.defaults_for().compute_dtype
     return None if compute_dtype in (None, "float32", jnp.float32) else compute_dtype
 
 
