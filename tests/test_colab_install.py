@@ -31,7 +31,7 @@ def fake_runtime(monkeypatch, **env):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(devices.os.path, "exists", lambda p: False)
+    monkeypatch.setattr(devices, "DEV_ROOT", "/nonexistent/dev")  # no device files
 
 
 @pytest.mark.parametrize("env, jax_build", [

@@ -76,6 +76,7 @@ def test_env_override_must_be_an_integer():
 
 
 FLAG = devices.DEVICE_COUNT_FLAG
+NO_DEVICE_FILES = "/nonexistent/dev"  # for devices.DEV_ROOT: a runtime without device files
 SETUP_AND_COUNT = "from tunix_nb import devices; n = devices.setup(8); import jax; print(n, jax.device_count())"
 
 
@@ -161,19 +162,40 @@ def test_setup_uses_an_accelerator_and_simulates_only_on_cpu(monkeypatch, hint_e
         monkeypatch.setenv(key, value)
     calls = []
     monkeypatch.setattr(devices, "simulate_cpu_devices", lambda n: calls.append(n))
-    monkeypatch.setattr(devices.os.path, "exists", lambda p: False)  # no /dev/accel0 or /dev/nvidia0 here
+    monkeypatch.setattr(devices, "DEV_ROOT", NO_DEVICE_FILES)
     assert devices.setup(8) == expected
     assert calls == ([8] if expected else [])
     assert devices.setup(8, simulate_on_accelerator=True) == 8 and calls[-1] == 8
 
 
-def test_accelerator_device_files_are_recognised(monkeypatch):
+def fake_dev(root: Path, *names: str) -> str:
+    """A folder standing in for /dev, holding empty files of these names."""
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).touch()
+    return str(root)
+
+
+@pytest.mark.parametrize("files, expected", [
+    (["accel0"], "tpu"),
+    (["accel3"], "tpu"),                  # any /dev/accel*, not just the first
+    (["vfio/2", "vfio/vfio"], "tpu"),     # the v5e chip of issue 45 was /dev/vfio/2
+    (["vfio/0"], "tpu"),
+    (["vfio/vfio"], None),                # VFIO's control file alone: no TPU
+    (["nvidia0"], "gpu"),
+    ([], None),
+])
+def test_accelerator_device_files_are_recognised(monkeypatch, tmp_path, files, expected):
     for key in devices.HINT_ENV:
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(devices.os.path, "exists", lambda p: p == "/dev/accel0")
-    assert devices.accelerator_hint() == "tpu"
-    monkeypatch.setattr(devices.os.path, "exists", lambda p: p == "/dev/nvidia0")
-    assert devices.accelerator_hint() == "gpu"
+    monkeypatch.setattr(devices, "DEV_ROOT", fake_dev(tmp_path, *files))
+    assert devices.accelerator_hint() == expected
+
+
+def test_tpu_device_files_lists_accel_and_numbered_vfio(tmp_path):
+    root = fake_dev(tmp_path, "accel3", "vfio/2", "vfio/12", "vfio/vfio", "vfio/2x", "nvidia0")
+    found = [Path(p).relative_to(tmp_path).as_posix() for p in devices.tpu_device_files(root)]
+    assert found == ["accel3", "vfio/12", "vfio/2"]
 
 
 def test_has_devices_says_what_to_do(capsys, monkeypatch):
@@ -189,7 +211,7 @@ def fake_tpu_runtime(monkeypatch):
     for key in (*devices.HINT_ENV, devices.DEVICES_ENV, devices.JAX_COUNT_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
-    monkeypatch.setattr(devices.os.path, "exists", lambda p: False)
+    monkeypatch.setattr(devices, "DEV_ROOT", NO_DEVICE_FILES)
     calls = []
     monkeypatch.setattr(devices, "simulate_cpu_devices", lambda n: calls.append(n))
     return calls

@@ -9,7 +9,6 @@ Qwen3-0.6B from one and two layers.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +28,9 @@ KERNEL_DEVICE_VARS = ("XLA_FLAGS", devices.JAX_COUNT_ENV, devices.DEVICES_ENV)
 
 
 def fresh_python(code: str, **env_vars) -> subprocess.Popen:
-    """Start `python -c code` without this process's device settings, plus env_vars (as lesson 00 does)."""
-    env = {k: v for k, v in os.environ.items() if k not in KERNEL_DEVICE_VARS}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), **env_vars)
+    """Start `python -c code` on the CPU without this process's device settings, plus env_vars (as lesson 00 does)."""
+    env = devices.child_env(**env_vars)
+    assert not set(KERNEL_DEVICE_VARS) & set(env) - set(env_vars)
     return subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import comm_cost, launch, model, parallel, sft, train
+from tunix_nb import comm_cost, devices, launch, model, parallel, sft, train
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "06_beyond_pmap.ipynb"
@@ -106,7 +106,8 @@ def test_array_bytes():
 
 
 def _compiled_sft_step(mode):
-    """The kit's SFT step on the `tiny` model, compiled for `mode` on all devices; and its params."""
+    """The kit's SFT step on the `tiny` model, compiled for `mode` on all devices; its params, and the
+    placed state and batch it was compiled for."""
     graphdef, params = model.split(model.make_model("tiny", seed=0))
     optimizer = train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=2, total_steps=20))
     step = train.make_step(sft.objective(graphdef, compute_dtype=jnp.float32), optimizer, parallel_mode=mode)
@@ -115,7 +116,7 @@ def _compiled_sft_step(mode):
     tokens = np.random.default_rng(0).integers(1, 259, size=(rows, 16)).astype(np.int32)
     batch = parallel.place_batch({"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
                                   "attention_mask": np.ones_like(tokens), "loss_mask": np.ones_like(tokens)}, step.mesh)
-    return step.jitted(*state).lower(*state, batch, None).compile(), params
+    return step.jitted(*state).lower(*state, batch, None).compile(), params, state, batch
 
 
 def _array_bytes(found, kind):
@@ -130,7 +131,7 @@ def test_the_compiled_steps_move_the_predicted_arrays(mode):
     from the output head, each all-reduced before they are added."""
     n = jax.device_count()
     assert n == 8  # conftest simulates 8 devices
-    compiled, params = _compiled_sft_step(mode)
+    compiled, params, _, _ = _compiled_sft_step(mode)
     found = comm_cost.hlo_collective_arrays(compiled.as_text())
     param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
     embedding_bytes = 4 * params["embed"]["embedding"].size
@@ -144,6 +145,51 @@ def test_the_compiled_steps_move_the_predicted_arrays(mode):
         assert _array_bytes(found, "all-gather") == param_bytes
         kept = comm_cost.fsdp_step_bytes(param_bytes, n, regather_in_backward=False)
         assert comm_cost.all_gather_bytes(_array_bytes(found, "all-gather"), n) == kept["all-gather"]
+
+
+# ------------------------------------------------------------------ XLA's argument bytes
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_xla_counts_the_arguments_as_the_devices_store_them(mode):
+    """The lesson's check: a compiled step's argument bytes per device are the state and this device's
+    rows, as stored (`devices.bytes_on_device`). Counting every row on every device, or under FSDP the
+    whole state, misses by exactly the bytes the other devices hold."""
+    compiled, _, state, batch = _compiled_sft_step(mode)
+    n = jax.device_count()
+    arguments = compiled.memory_analysis().argument_size_in_bytes
+    stored = devices.bytes_on_device((state, batch))
+    assert len(stored) == n and set(stored.values()) == {arguments}
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
+    every_row = max(devices.bytes_on_device(state).values()) + batch_bytes
+    assert every_row - arguments == batch_bytes * (n - 1) // n > 0
+    if mode == "fsdp":
+        whole_state = sum(x.nbytes for x in jax.tree.leaves(state)) + batch_bytes // n
+        assert whole_state - arguments > 6 * arguments  # 7/8 of the split arrays live elsewhere
+
+
+def test_bytes_on_device_counts_what_a_device_allocated_not_nbytes():
+    """On a TPU a [2, 24] int32 shard is stored in tiles and takes more than its 192 bytes: what
+    the device reports for each shard is what counts (faked here: the tests have no TPU)."""
+    class Device:
+        def __init__(self, i):
+            self.id = i
+
+    class Data:
+        nbytes = 192
+
+        def on_device_size_in_bytes(self):
+            return 1024  # [2, 24] int32 in (2, 128) tiles, as XLA lays it out for a TPU v5e
+
+    class Shard:
+        def __init__(self, i):
+            self.device, self.data = Device(i), Data()
+
+    class TiledArray:
+        addressable_shards = [Shard(1), Shard(0)]
+
+    held = devices.bytes_on_device({"inputs": TiledArray(), "targets": TiledArray()})
+    assert [(d.id, b) for d, b in held.items()] == [(0, 2048), (1, 2048)]
 
 
 # ------------------------------------------------------------------ the worker, started twice

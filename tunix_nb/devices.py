@@ -3,11 +3,16 @@
 JAX reads the device count once, when its first backend starts (the first array,
 `jax.devices()`, ...). So `simulate_cpu_devices` must run before that, and in a
 notebook that means before `import jax` in the setup cell.
+
+A TPU chip has one holder at a time, so a child process that runs JAX while this one may
+hold the chip gets `child_env()`: the CPU, and the kit on its PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import glob
 import os
 import re
 import sys
@@ -78,6 +83,19 @@ JAX_EXTRAS = {"tpu": "tpu", "gpu": "cuda12"}
 HINT_ENV = ("JAX_PLATFORMS", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "ISTPUVM", "COLAB_GPU")
 
 
+# Where accelerator_hint() looks for device files (the tests point it at a folder of their own)
+DEV_ROOT = "/dev"
+
+
+def tpu_device_files(dev_root: str | None = None) -> list[str]:
+    """The TPU device files under `dev_root` (default DEV_ROOT): /dev/accel0, /dev/accel1, ...
+    (TPU v4 and v5e VMs), or /dev/vfio/N for any number N (newer VMs: a v5e chip has been seen
+    as /dev/vfio/2). /dev/vfio/vfio, VFIO's control file, is on machines without a TPU too."""
+    root = dev_root or DEV_ROOT
+    vfio = [p for p in glob.glob(os.path.join(root, "vfio", "*")) if os.path.basename(p).isdigit()]
+    return sorted(glob.glob(os.path.join(root, "accel*")) + vfio)
+
+
 def accelerator_hint() -> str | None:
     """'tpu', 'gpu' or None, judged without starting JAX (so simulation stays possible).
 
@@ -90,11 +108,55 @@ def accelerator_hint() -> str | None:
         return {"tpu": "tpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu"}.get(first)
     if any(os.environ.get(name) for name in ("COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE", "ISTPUVM")):
         return "tpu"
-    if os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"):
+    if tpu_device_files():
         return "tpu"
-    if os.path.exists("/dev/nvidia0") or os.environ.get("COLAB_GPU"):
+    if os.path.exists(os.path.join(DEV_ROOT, "nvidia0")) or os.environ.get("COLAB_GPU"):
         return "gpu"
     return None
+
+
+def holds_accelerator() -> bool:
+    """True once this process has started JAX on a TPU or GPU, which it then holds until it exits."""
+    if not _jax_backends_started():
+        return False
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+# What a child process must not inherit: this process's device count (XLA's flag, JAX's
+# count, the kit's override). XLA_FLAGS goes whole, since XLA aborts on a flag it does not
+# know, and flags meant for this process's accelerator are unknown to a CPU child's XLA.
+CHILD_DROPS = ("XLA_FLAGS", JAX_COUNT_ENV, DEVICES_ENV)
+
+
+def kit_root() -> str:
+    """The folder that holds this `tunix_nb` package (the repository root of a clone)."""
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def child_env(*, keep_accelerator: bool = False, **overrides: str) -> dict[str, str]:
+    """The environment for a child Python process that runs JAX beside this one.
+
+    One process at a time can hold a TPU chip: a second process that opens it dies with
+    libtpu's "multi-process lockfile" error, and on Colab's v5e-1 the notebook's kernel holds
+    the only chip. So the child runs JAX on the CPU (JAX_PLATFORMS=cpu), with one CPU device
+    unless it simulates more (`--devices N`, `simulate_cpu_devices`, or an XLA_FLAGS override).
+    `keep_accelerator=True` lets it open the TPU or GPU instead, where this process does not
+    hold it (`holds_accelerator`): a parent that only starts children, one at a time.
+
+    Everything else of this environment is kept (PYTHONPATH, TPU_* variables, the compilation
+    cache's), and the kit's root is put on PYTHONPATH in front of this process's entries, never
+    in their place: on some runtimes JAX itself is found through PYTHONPATH. `overrides`
+    (NAME="value") come last.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_DROPS}
+    if not keep_accelerator or holds_accelerator():
+        env["JAX_PLATFORMS"] = "cpu"
+    entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    env["PYTHONPATH"] = os.pathsep.join([kit_root(), *(e for e in entries if e != kit_root())])
+    env.update(overrides)
+    return env
 
 
 def _count_from(name: str, value: str) -> int:
@@ -280,3 +342,20 @@ def has_devices(n: int, what: str = "This part") -> bool:
           f"devices.setup(n_cpu_devices=8, simulate_on_accelerator=True) (simulated CPU devices; "
           f"the accelerator then sits idle), or set TUNIX_NB_DEVICES=8 before starting Jupyter.")
     return False
+
+
+def bytes_on_device(tree) -> dict:
+    """{device: bytes} that each device has allocated for `tree`'s arrays, shard by shard.
+
+    What the device spends, not the arrays' `nbytes`: a TPU lays an array out in tiles of
+    (8, 128) elements (for 32-bit types; its last two dimensions padded up to them), so a
+    [2, 24] int32 shard takes 4 KiB there, not 192 bytes. On a CPU the two are equal. XLA's
+    `memory_analysis()` counts arguments the same way, so this is what to compare it with.
+    """
+    import jax
+
+    held = collections.Counter()
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] += shard.data.on_device_size_in_bytes()
+    return dict(sorted(held.items(), key=lambda kv: kv[0].id))

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Callable
 
+from tunix_nb import devices
 from tunix_nb.cli import MESH_CHOICES  # the strategies whose mesh spans processes
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # on loopback a silent process is a dead one; clusters use JAX's 100 s
@@ -49,6 +50,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def can_listen_on_loopback(what: str = "This part") -> bool:
+    """True if a coordinator could listen on 127.0.0.1 here; otherwise says so and that `what` is skipped.
+
+    The processes of a group meet through process 0's coordinator (a TCP socket on loopback)
+    and all-reduce over gloo (TCP too). Some sandboxes forbid sockets altogether.
+    """
+    try:
+        free_port()
+    except OSError as err:
+        print(f"{what} needs a TCP socket on 127.0.0.1 for the processes' coordinator, and this machine "
+              f"refused one ({type(err).__name__}: {err}), so it is skipped. It runs wherever a process "
+              "may listen on loopback: a laptop, Colab, Kaggle, Binder.")
+        return False
+    return True
 
 
 def _check_train_args(train_args) -> None:
@@ -127,7 +144,8 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
     train_args = list(train_args)
     _check_train_args(train_args)
     coordinator = f"127.0.0.1:{port or free_port()}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    # on the CPU, whatever this process holds: a TPU chip has one holder at a time
+    env = devices.child_env(PYTHONUNBUFFERED="1")
     lines: queue.Queue = queue.Queue()
     procs = []
     for i in range(processes):

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tunix_nb import devices
+
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # where Orbax writes a step before committing it
 
 
@@ -44,7 +46,8 @@ def run_and_kill(argv, *, ckpt_dir, metrics_file, when: str, after_step: int = 1
     (Orbax's `<step>.orbax-checkpoint-tmp` directory exists). To kill at a known moment,
     the process is frozen with SIGSTOP, the condition is checked on the frozen process,
     and then it is SIGKILLed (or let go with SIGCONT to try again). `argv` must include
-    the --ckpt-dir and --metrics-file given here.
+    the --ckpt-dir and --metrics-file given here. `env` defaults to `devices.child_env()`: the
+    run is a process of its own (to be killed), on the CPU, since the caller may hold the TPU chip.
 
     Returns {"killed": bool, "step": last step logged, "in_flight": tmp dir names, "returncode"}.
     Raises TimeoutError if the run neither finished nor could be killed in time.
@@ -55,7 +58,8 @@ def run_and_kill(argv, *, ckpt_dir, metrics_file, when: str, after_step: int = 1
     if cwd is not None:
         ckpt_dir, metrics_file = Path(cwd) / ckpt_dir, Path(cwd) / metrics_file
     stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the run
-    proc = subprocess.Popen([sys.executable, "-m", "tunix_nb.train", *argv], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tunix_nb.train", *argv], cwd=cwd,
+                            env=devices.child_env() if env is None else env,
                             stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     deadline = time.monotonic() + timeout
     stale = set(_in_flight_saves(ckpt_dir))  # left by an earlier kill: not this run's saves

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_nb import bench, data, distill, dpo, losses, model, parallel, sft, train
+from tunix_nb import bench, data, devices, distill, dpo, losses, model, parallel, sft, train
 from tunix_nb.tokenizer import ByteTokenizer
 from tunix_nb.train.loop import Placement
 
@@ -490,7 +490,8 @@ def measure_in_child(n_devices: int, quick: bool, attempts: int = 2) -> dict:
     them arrived on time"). Both DPO sides have all-to-alls: they concatenate the chosen
     and rejected rows of a sharded batch.
     """
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the accelerator, if any, is the child's: this process starts only children, one at a time
+    env = devices.child_env(keep_accelerator=True)
     code = ("import json; from tunix_nb import devices; "
             f"devices.accelerator_hint() or devices.simulate_cpu_devices({n_devices}); "
             "from tunix_nb import tunix_compare; "

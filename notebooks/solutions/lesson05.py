@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import time
 import warnings
 from pathlib import Path
@@ -62,10 +61,9 @@ def kill_during_first_save(workdir, *, steps: int = 40, save_every: int = 20, ti
     """
     workdir = Path(workdir)
     argv = _argv(workdir, steps, save_every)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI on one CPU device
-    env["JAX_PLATFORMS"] = "cpu"
+    # the CLI on one CPU device: run_and_kill's default environment, devices.child_env()
     killed = preempt.run_and_kill(argv, ckpt_dir=workdir / "preempted", metrics_file=workdir / "preempted.jsonl",
-                         when="during_save", after_step=0, timeout=timeout, env=env)
+                         when="during_save", after_step=0, timeout=timeout)
     if not killed["killed"]:
         raise RuntimeError(f"the run finished before it could be killed during a save: {killed}")
     killed["committed_at_kill"] = [name for name in _steps_on_disk(workdir / "preempted") if name.isdigit()]

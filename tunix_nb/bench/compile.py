@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 
+from tunix_nb import devices
 from tunix_nb.bench.common import figure, median_seconds, sft_setup
 
 FIGURES = {"compile_share": (None, None)}
@@ -58,7 +59,7 @@ def compile_times(only=None) -> dict:
 def bench_compile(quick=False):
     first = compile_times(only=("03 sft step",) if quick else None)
     details = {"per_step": first}
-    if not quick:  # the persistent compilation cache, across two fresh processes
+    if not quick:  # the persistent compilation cache, across two fresh processes (on the CPU)
         with tempfile.TemporaryDirectory(dir=".") as cache:
             runs = [_compile_times_in_child(cache) for _ in range(2)]
         details["persistent_cache"] = {
@@ -69,14 +70,15 @@ def bench_compile(quick=False):
 
 
 def _compile_times_in_child(cache_dir) -> dict:
-    code = ("import json, jax; from tunix_nb import devices; devices.simulate_cpu_devices(1); "
+    """`compile_times()` in a fresh process on one CPU device (`devices.child_env`: this process
+    may hold the TPU chip, which has one holder), with its own empty persistent cache."""
+    code = ("import json, jax; "
             f"jax.config.update('jax_compilation_cache_dir', {str(cache_dir)!r}); "
             "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
             "jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1); "
             "from tunix_nb.bench.compile import compile_times; print(json.dumps(compile_times()))")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_PERSISTENT_CACHE")
-           and k != "JAX_COMPILATION_CACHE_DIR"}
-    env["TUNIX_NB_BENCH_CACHE_CHILD"] = "1"
+    env = {k: v for k, v in devices.child_env(TUNIX_NB_BENCH_CACHE_CHILD="1").items()
+           if not k.startswith("JAX_PERSISTENT_CACHE") and k != "JAX_COMPILATION_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     if out.returncode:
         raise RuntimeError(f"compile-time child failed: {out.stderr[-2000:]}")

@@ -4,10 +4,10 @@ temporary memory and in time."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
+from tunix_nb import devices
 from tunix_nb.bench.common import figure, interleaved_times, medians, spread_of_ratio, timed_figure
 from tunix_nb.bench.mfu import mfu_setup
 
@@ -75,8 +75,7 @@ def bench_remat(repeats, quick=False):
 def _remat_memory_in_child(batch, seq_len) -> dict:
     code = ("import json; from tunix_nb.bench import remat; "
             f"print(json.dumps(remat.temp_bytes(remat.remat_programs({batch}, {seq_len}))))")
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": MEMORY_SCHEDULER_FLAG,
-           "JAX_PLATFORMS": "cpu"}
+    env = devices.child_env(XLA_FLAGS=MEMORY_SCHEDULER_FLAG)  # on the CPU, as the flag is the CPU scheduler's
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     if out.returncode:
         raise RuntimeError(f"remat memory child failed: {out.stderr[-2000:]}")
