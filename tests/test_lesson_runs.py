@@ -1,0 +1,153 @@
+"""The headless lesson runner (`python -m tunix_nb.lessons`), and the records it stored.
+
+The runner is checked end to end on tiny synthetic notebooks (no lesson runs here). Each record
+in results/lesson_runs/ must be well formed, cover every lesson, name a commit in the history
+whose notebooks and `tunix_nb` hash to what it recorded, and appear in the README's table. A
+record not made yet is skipped with the command that makes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import tarfile
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tunix_nb.lessons import hashes, records, runner
+from tunix_nb.lessons.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDS = ROOT / records.RECORDS_DIR
+CHIP_RECORD = "tpu_v5e_1.json"
+LESSONS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+RECORD_NAMES = sorted(set(records.ORDER) | {p.name for p in RECORDS.glob("*.json")})
+
+
+def write_notebook(path: Path, cells: list[str]) -> Path:
+    cell = lambda source: {"cell_type": "code", "source": source, "metadata": {}, "outputs": [],  # noqa: E731
+                           "execution_count": None}
+    path.write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {},
+                                "cells": [{"cell_type": "markdown", "source": "# A lesson", "metadata": {}},
+                                          *map(cell, cells)]}))
+    return path
+
+
+def test_the_runner_runs_magics_and_stops_at_the_first_failing_cell(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/kept/entry")
+    write_notebook(tmp_path / "00_synthetic.ipynb", [
+        "out = !echo hello\nassert out == ['hello'], out",
+        "%%writefile made.txt\nwritten",
+        "import os, matplotlib, tunix_nb\n"
+        "assert open('made.txt').read() == 'written\\n' and matplotlib.get_backend().lower() == 'agg'\n"
+        f"assert os.environ['PYTHONPATH'].split(os.pathsep) == [{str(ROOT)!r}, '/kept/entry']\n"
+        f"assert tunix_nb.__file__.startswith({str(ROOT)!r})",
+        "1 / 0",
+        "print('never runs')"])
+    out = tmp_path / "run.json"
+    assert main(["run", "--notebooks", str(tmp_path), "--out", str(out), "--timeout", "60"]) == 1
+    record = json.loads(out.read_text())
+    assert records.problems(record) == [] and record["schema"] == runner.SCHEMA
+    [lesson] = record["lessons"]
+    assert (lesson["lesson"], lesson["failed_cell"], lesson["completed"], lesson["timed_out"]) == \
+        ("00_synthetic", 3, False, False)
+    assert lesson["error"] == "ZeroDivisionError: division by zero"
+    assert [cell["index"] for cell in lesson["cells"]] == [0, 1, 2, 3] and lesson["code_cells"] == 5
+    assert lesson["backend"] is None  # the notebook never started JAX, and the runner does not either
+    assert lesson["notebook_sha256"] == hashes.notebook_hash((tmp_path / "00_synthetic.ipynb").read_text())
+    assert record["command"].startswith("python -m tunix_nb.lessons run --notebooks")
+    assert f"| 0 of 1 (stopped: 00 at cell 3) | {record['date'][:10]} |" in records.render_table({"x.json": record})
+
+
+def test_a_lesson_past_its_timeout_is_killed_and_its_cell_recorded(tmp_path):
+    write_notebook(tmp_path / "07_slow.ipynb", ["x = 1", "import time\ntime.sleep(60)", "y = 2"])
+    lines = []
+    record = runner.run_lessons(["7"], notebooks=tmp_path, timeout_s=5, echo=lines.append)
+    [lesson] = record["lessons"]
+    assert lesson["timed_out"] and not lesson["completed"] and lesson["failed_cell"] == 1
+    assert [cell["index"] for cell in lesson["cells"]] == [0] and lesson["process_seconds"] < 30
+    assert lines == [runner.progress_line(lesson)] and "stopped at code cell 1: Timeout" in lines[0]
+    assert records.outcome(record) == "0 of 1 (stopped: 07 at cell 1, timed out)"
+
+
+def test_lessons_are_chosen_by_number_or_name(tmp_path):
+    for name in ("00_a", "03_b", "12_c"):
+        write_notebook(tmp_path / f"{name}.ipynb", ["pass"])
+    assert [p.stem for p in runner.find_notebooks(tmp_path, ["3", "12_c"])] == ["03_b", "12_c"]
+    assert len(runner.find_notebooks(tmp_path)) == 3
+    with pytest.raises(ValueError, match="no lesson"):
+        runner.find_notebooks(tmp_path, ["05"])
+
+
+def test_a_notebooks_hash_counts_its_code_cells_only(tmp_path):
+    path = write_notebook(tmp_path / "00_a.ipynb", ["x = 1\n", "!echo hi"])
+    notebook = json.loads(path.read_text())
+    notebook["cells"][1]["source"] = ["x = ", "1\n"]  # nbformat's list-of-lines form of the same source
+    notebook["cells"][1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "run"}]
+    notebook["cells"][0]["source"] = "# Another title"
+    expected = hashlib.sha256(json.dumps(["x = 1\n", "!echo hi"]).encode()).hexdigest()
+    assert hashes.notebook_hash(path.read_text()) == hashes.notebook_hash(json.dumps(notebook)) == expected
+
+
+def test_the_package_hash_reads_committed_files_byte_for_byte():
+    """`git cat-file --batch`'s answer, split into files, against `git archive` of the same commit."""
+    archive = subprocess.run(["git", "archive", "HEAD", "tunix_nb"], cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        expected = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".py")}
+    assert hashes.package_files_at("HEAD") == expected and len(expected) > 10
+
+
+def stored(name: str) -> dict:
+    path = RECORDS / name
+    if not path.exists():
+        pytest.skip(f"{records.RECORDS_DIR}/{name} is not recorded yet: `python -m tunix_nb.lessons run "
+                    f"--out {records.RECORDS_DIR}/{name}` on that machine makes it")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", RECORD_NAMES)
+def test_a_record_is_well_formed_and_covers_every_lesson(name):
+    record = stored(name)
+    assert records.problems(record) == [] and record["schema"] == runner.SCHEMA
+    assert [lesson["lesson"] for lesson in record["lessons"]] == LESSONS and record["notebooks"] == "notebooks"
+    backend = name.split("_")[0]  # tpu_..., cpu_..., gpu_...
+    started = {lesson["backend"] for lesson in record["lessons"] if lesson["backend"]}
+    assert started <= {backend}, f"{name} holds runs on {started}"
+
+
+@pytest.mark.parametrize("name", RECORD_NAMES)
+def test_a_record_matches_the_notebooks_and_package_at_its_commit(name):
+    record = stored(name)
+    commit = record["commit"]
+    assert commit and not record["dirty"], f"{name} was made from uncommitted notebooks or tunix_nb"
+    # (dirty is None where the tree was a copy without git, given --commit: the hashes below are the check)
+    exists = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
+    assert exists.returncode == 0, f"{name}'s commit {commit} is not in this repository's history"
+    assert hashes.package_hash(hashes.package_files_at(commit)) == record["tunix_nb_sha256"]
+    for lesson in record["lessons"]:
+        at_commit = hashes.notebook_hash_at(commit, f"notebooks/{lesson['lesson']}.ipynb")
+        assert at_commit == lesson["notebook_sha256"], f"{name}: {lesson['lesson']} differs from {commit[:7]}'s"
+
+
+def test_the_readme_table_is_the_records():
+    readme = (ROOT / "README.md").read_text()
+    assert records.readme_table(readme) == records.render_table(records.load_records()), \
+        "README's 'Runs on' table is stale: run `python -m tunix_nb.lessons table --readme README.md`"
+
+
+def test_list_the_lessons_changed_since_the_chips_record():
+    """Never fails: CI has no TPU to run them again. It warns with the lessons to rerun on the chip."""
+    record = stored(CHIP_RECORD)
+    changed = [lesson["lesson"] for lesson in record["lessons"]
+               if hashes.notebook_hash((ROOT / "notebooks" / f"{lesson['lesson']}.ipynb").read_bytes())
+               != lesson["notebook_sha256"]]
+    package_changed = hashes.package_hash(hashes.package_files()) != record["tunix_nb_sha256"]
+    if changed or package_changed:
+        message = (f"since {CHIP_RECORD} ({record['commit'][:7]}), code cells changed in {changed or 'no lesson'}"
+                   f"{' and tunix_nb changed' if package_changed else ''}: rerun them on the chip")
+        print(message)
+        warnings.warn(message)
