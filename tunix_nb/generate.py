@@ -67,7 +67,8 @@ def complete(model_dir, prompt: str, *, max_new_tokens: int = 64, temperature: f
                                        jax.random.key(seed), max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_k=top_k, top_p=top_p,
                                        eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    new = [int(t) for t, real in zip(tokens[0], mask[0]) if real and int(t) != tokenizer.eos_id]
+    tokens_T, mask_T = (x[0] for x in jax.device_get((tokens, mask)))  # one fetch, not one per token
+    new = [int(t) for t, real in zip(tokens_T, mask_T) if real and int(t) != tokenizer.eos_id]
     return tokenizer.decode(new)
 
 

@@ -348,7 +348,7 @@ def make_sampler(graphdef, *, max_new_tokens: int = data.MAX_NEW_TOKENS, tempera
             inputs = parallel.shard_batch(inputs, jax.local_device_count())
         elif parallel_mode != "jit":
             inputs = parallel.place_batch(inputs, mesh)
-        out = {k: np.asarray(v) for k, v in fn(params, reference, *inputs).items()}
+        out = jax.device_get(fn(params, reference, *inputs))  # every array's copy started at once
         if parallel_mode == "pmap":  # [n, B/n, ...] -> [B, ...]
             out = {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
         return out

@@ -1,5 +1,9 @@
 """The training loops every method shares: place the state, feed batches (step-indexed, or sampled
-by the policy itself: `run_on_policy`), record metrics."""
+by the policy itself: `run_on_policy`), record metrics.
+
+Recording does not stall the device: `run` reads a step's metrics once the next step is
+queued (`StepLog`), so on an accelerator the host loads the next batch while the device
+computes. Every step is still logged, in order, with the values a `float()` per step gives."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -32,26 +35,83 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     list of per-step metric dicts of Python floats; every `eval_every` steps,
     `eval_fn(params)` (params on one device) adds its metrics (e.g. "eval/loss") to
     that step's dict. A tqdm progress bar shows the loss.
+
+    `on_step(step, record)` gets every step's record, in order, one step late: while step
+    k + 1 runs (`StepLog`), or at once at an eval step and after the last step. A
+    non-finite loss raises FloatingPointError naming its step, before any eval of it.
     """
     place = Placement(step_fn, parallel_mode, keep_placement, caller="run()")
     params, opt_state, frozen = place.state(params, opt_state, frozen)
-    on_one_device = place.on_one_device
 
-    history = []
-    bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
-    for step in bar:
-        params, opt_state, metrics = step_fn(params, opt_state, place.batch(batch_fn(step)), frozen)
-        record = {"step": step + 1, **place.metrics(metrics)}
-        _check_finite(record)
-        if eval_fn is not None and eval_every and (step + 1) % eval_every == 0:
-            record.update(eval_fn(on_one_device(params)))
-        history.append(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}")
-        if on_step is not None:
-            on_step(step + 1, record)
+    with StepLog(place.metrics, on_step, tqdm(total=steps, desc=desc, disable=not progress)) as log:
+        for step in range(start_step, start_step + steps):
+            params, opt_state, metrics = step_fn(params, opt_state, place.batch(batch_fn(step)), frozen)
+            log.push(step + 1, metrics)  # logs the step before, whose metrics are ready or nearly so
+            if eval_fn is not None and eval_every and (step + 1) % eval_every == 0:
+                log.flush(extra=lambda: eval_fn(place.on_one_device(params)))
     if not keep_placement:
-        params, opt_state = on_one_device((params, opt_state))
-    return params, opt_state, history
+        params, opt_state = place.on_one_device((params, opt_state))
+    return params, opt_state, log.history
+
+
+class StepLog:
+    """Steps' records in `history`, on the progress bar and to `on_step(step, record)`.
+
+    `float()` of a device value waits for the device and costs a round trip, and a loop
+    doing it each step idles the device while the host loads the next batch. `push` starts
+    a step's metrics' copy to the host and logs the step pushed before it: while the host
+    waits for step k, step k + 1 is queued and the device stays busy. `flush` logs the
+    queued step now. A non-finite loss raises when its step is logged, naming the step.
+    `to_host(metrics) -> {name: float}`; a `with` block flushes and closes the bar.
+    """
+
+    def __init__(self, to_host: Callable, on_step: Callable[[int, dict], None] | None, bar, *,
+                 postfix: Callable[[dict], dict] | None = None):
+        self.to_host, self.on_step, self.bar = to_host, on_step, bar
+        self.postfix = postfix or (lambda record: {"loss": f"{record['loss']:.4f}"})
+        self.history, self._queued = [], None
+
+    def push(self, step: int, metrics) -> None:
+        """Queue `step`'s metrics (device arrays) and log the step queued before it."""
+        start_host_copy(metrics)
+        self.flush()
+        self._queued = (step, metrics)
+
+    def flush(self, extra: Callable[[], dict] | None = None) -> None:
+        """Log the queued step now; `extra()` (e.g. eval metrics) joins its record once its loss is checked."""
+        if self._queued is None:
+            return
+        (step, metrics), self._queued = self._queued, None  # dequeued first: a raise logs nothing twice
+        record = {"step": step, **self.to_host(metrics)}
+        _check_finite(record)
+        if extra is not None:
+            record.update(extra())
+        self.log(record)
+
+    def log(self, record: dict) -> None:
+        """Log a record that is already on the host."""
+        self.history.append(record)
+        self.bar.update(1)
+        self.bar.set_postfix(**self.postfix(record))
+        if self.on_step is not None:
+            self.on_step(record["step"], record)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        try:  # also when the loop raised: the steps it finished are logged, as a step-by-step loop would
+            self.flush()
+        finally:
+            self.bar.close()
+
+
+def start_host_copy(tree) -> None:
+    """Start copying `tree`'s device arrays to the host, without waiting: a later
+    `device_get` (or `float`) finds them there or on their way."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            x.copy_to_host_async()
 
 
 def _check_finite(record):
@@ -95,7 +155,8 @@ class Placement:
             return parallel.replicate((params, opt_state, frozen), self.n_devices)
         if self.on_mesh:
             return parallel.place_state((params, opt_state, frozen), self.mesh, self.parallel_mode)
-        params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+        # copies made without a compiled program (jnp.copy compiles and dispatches one per leaf)
+        params, opt_state = jax.device_put((params, opt_state), may_alias=False)
         return params, opt_state, frozen
 
     def batch(self, batch):
@@ -105,15 +166,24 @@ class Placement:
         return parallel.place_batch(batch, self.mesh) if self.on_mesh else batch
 
     def metrics(self, metrics) -> dict:
-        """A step's metrics as Python floats (device 0's copy under pmap: all copies are equal)."""
+        """A step's metrics as Python floats (device 0's copy under pmap: all copies are equal),
+        fetched in one `device_get` (a `float()` each would wait for the device once per metric)."""
+        host = jax.device_get(metrics)
         if self.parallel_mode == "pmap":
-            metrics = parallel.unreplicate(metrics)
-        return {k: float(v) for k, v in metrics.items()}
+            host = {k: v[0] for k, v in host.items()}
+        return {k: float(v) for k, v in host.items()}
 
     def on_one_device(self, tree):
-        if self.parallel_mode == "pmap":
-            return parallel.unreplicate(tree)
+        if self.parallel_mode == "pmap":  # device 0's copies, as parallel.unreplicate, in one program
+            return _first_replica(jax.tree.map(lambda x: x.addressable_shards[0].data, tree))
         return parallel.gather(tree) if self.on_mesh else tree
+
+
+@jax.jit
+def _first_replica(tree):
+    """[1, ...] -> [...] for every leaf: one compiled program, where eager indexing compiles
+    and dispatches one per leaf (each a slow round of its own on an accelerator)."""
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: int, start_step: int = 0,
@@ -145,27 +215,31 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
     params, opt_state, (reference, frozen) = place.state(params, opt_state, (reference, frozen))
     extra = () if frozen is None else (frozen,)
 
-    history = []
-    bar = tqdm(range(start_step, start_step + steps), desc=desc, disable=not progress)
-    for step in bar:
-        started = time.perf_counter()
-        batch, rollout_metrics = rollout_fn(step, params, reference, *extra)
-        sampled = time.perf_counter()
-        batch = place.batch(batch)
-        updates = []
-        for _ in range(num_iterations):
-            params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
-            updates.append(place.metrics(metrics))
-        jax.block_until_ready(params)
-        updated = time.perf_counter()
-        record = {"step": step + 1, **rollout_metrics,
-                  **{k: float(np.mean([u[k] for u in updates])) for k in updates[0]},
-                  "time/rollout_s": sampled - started, "time/update_s": updated - sampled}
-        _check_finite(record)
-        history.append(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", reward=f"{record.get('reward', float('nan')):.3f}")
-        if on_step is not None:
-            on_step(step + 1, record)
+    bar = tqdm(total=steps, desc=desc, disable=not progress)
+    with StepLog(place.metrics, on_step, bar, postfix=_loss_and_reward) as log:
+        for step in range(start_step, start_step + steps):
+            started = time.perf_counter()
+            batch, rollout_metrics = rollout_fn(step, params, reference, *extra)
+            sampled = time.perf_counter()
+            batch = place.batch(batch)
+            updates = []
+            for _ in range(num_iterations):
+                params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
+                updates.append(metrics)
+            # the next rollout needs these params anyway: wait for them, the metrics copying meanwhile
+            start_host_copy(updates)
+            jax.block_until_ready(params)
+            updated = time.perf_counter()
+            updates = [place.metrics(u) for u in updates]
+            record = {"step": step + 1, **rollout_metrics,
+                      **{k: float(np.mean([u[k] for u in updates])) for k in updates[0]},
+                      "time/rollout_s": sampled - started, "time/update_s": updated - sampled}
+            _check_finite(record)
+            log.log(record)
     if not keep_placement:
         params, opt_state = place.on_one_device((params, opt_state))
-    return params, opt_state, history
+    return params, opt_state, log.history
+
+
+def _loss_and_reward(record: dict) -> dict:
+    return {"loss": f"{record['loss']:.4f}", "reward": f"{record.get('reward', float('nan')):.3f}"}
