@@ -88,9 +88,9 @@ DEV_ROOT = "/dev"
 
 
 def tpu_device_files(dev_root: str | None = None) -> list[str]:
-    """The TPU device files under `dev_root` (default DEV_ROOT): /dev/accel0, /dev/accel1, ...
-    (TPU v4 and v5e VMs), or /dev/vfio/N for any number N (newer VMs: a v5e chip has been seen
-    as /dev/vfio/2). /dev/vfio/vfio, VFIO's control file, is on machines without a TPU too."""
+    """The TPU device files under `dev_root` (default DEV_ROOT): /dev/accel0, /dev/accel1, ...,
+    or /dev/vfio/N for any number N, whichever driver the VM uses (a v5e chip has been seen as
+    /dev/vfio/2). /dev/vfio/vfio, VFIO's control file, is on machines without a TPU too."""
     root = dev_root or DEV_ROOT
     vfio = [p for p in glob.glob(os.path.join(root, "vfio", "*")) if os.path.basename(p).isdigit()]
     return sorted(glob.glob(os.path.join(root, "accel*")) + vfio)
@@ -347,10 +347,11 @@ def has_devices(n: int, what: str = "This part") -> bool:
 def bytes_on_device(tree) -> dict:
     """{device: bytes} that each device has allocated for `tree`'s arrays, shard by shard.
 
-    What the device spends, not the arrays' `nbytes`: a TPU lays an array out in tiles of
-    (8, 128) elements (for 32-bit types; its last two dimensions padded up to them), so a
-    [2, 24] int32 shard takes 4 KiB there, not 192 bytes. On a CPU the two are equal. XLA's
-    `memory_analysis()` counts arguments the same way, so this is what to compare it with.
+    What the device spends, not the arrays' `nbytes`: a TPU lays an array out in tiles, for
+    32-bit types of (8, 128) elements, its last two dimensions padded up to them (in the order
+    that pads least), so on a TPU v5e a [259, 32] float32 array takes 48 KiB, not 32.4 KiB. On a
+    CPU the two are equal. XLA's `memory_analysis()` counts arguments the same way, so this is
+    what to compare it with.
     """
     import jax
 
