@@ -16,8 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "notebooks"))
 
 N_TEST_DEVICES = 8
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-devices.simulate_cpu_devices(N_TEST_DEVICES)
+# TUNIX_NB_TEST_ON_ACCELERATOR=1 runs the unit tests on the machine's TPU or GPU instead
+# (`pytest tests/ -n 0`: one process holds the chip); tests of CPU-only facts are skipped there.
+ON_ACCELERATOR = os.environ.get("TUNIX_NB_TEST_ON_ACCELERATOR") == "1"
+if not ON_ACCELERATOR:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    devices.simulate_cpu_devices(N_TEST_DEVICES)
 # Programs compiled once are read back by every later process (workers, kernels, the
 # training command's runs) and by the next run of the suite: see devices.use_compile_cache.
 devices.use_compile_cache()
@@ -52,3 +56,16 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if hasattr(item, "output_timeout"):
             item.output_timeout = NBVAL_OUTPUT_TIMEOUT_S
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): asserts a fact of the CPU (8 simulated devices, XLA's "
+                                       "CPU code); skipped when the tests run on an accelerator")
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("cpu_only")
+    if marker is not None and ON_ACCELERATOR:
+        import pytest
+
+        pytest.skip(f"CPU only: {marker.kwargs.get('reason') or (marker.args or [''])[0]}")

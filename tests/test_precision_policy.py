@@ -160,3 +160,112 @@ def test_kv_cache_check_accepts_greedy_tokens_and_rejects_shifted_ones(student):
     bound = 2 * compare.float32_bound(compare.forward_pass_terms(cfg, full.shape[1]),
                                       transcendentals=compare.forward_pass_transcendentals(cfg)) * float(jnp.abs(logits).max())
     assert compare.greedy_slack(logits, new) >= 100 * bound
+
+
+def test_lesson08_kl_metric_against_the_backends_own_log_ratios():
+    """Lesson 08: grpo_loss's kl metric == the estimator's mean in float64 over this backend's
+    own float32 log-probs (like with like), within the bound; the policy and reference
+    swapped (the known-wrong version) falls outside by over 100x for the two asymmetric
+    estimators."""
+    rng = np.random.default_rng(0)
+    pi = rng.dirichlet(np.ones(10)); ref_p = rng.dirichlet(np.ones(10))
+    x = rng.choice(10, size=4096, p=pi)
+    lp, rp = jnp.log(pi[x])[None], jnp.log(ref_p[x])[None]
+    d = np.asarray(lp[0], np.float64) - np.asarray(rp[0], np.float64)
+    estimators = {"kl": lambda v: v, "mse_kl": lambda v: 0.5 * v ** 2, "low_var_kl": lambda v: np.exp(-v) - 1 + v}
+    for est, fn in estimators.items():
+        kl = float(losses.grpo_loss(lp, None, rp, jnp.zeros(1), jnp.ones_like(lp), kl_estimator=est)[2]["kl"])
+        # each term adds |d|, its estimate and, for low_var_kl, exp(-d) and 1
+        parts = np.abs(d) + np.abs(fn(d)) + (np.exp(-d) + 1 if est == "low_var_kl" else 0)
+        atol = compare.float32_bound(x.size, transcendentals={"exp": 1}) * float(parts.mean())
+        assert abs(kl - fn(d).mean()) <= atol, est
+        if est != "mse_kl":  # symmetric in the swap
+            assert abs(fn(-d).mean() - kl) >= 100 * atol, est
+
+
+def test_lesson09_transformers_parity_bound_catches_a_wrong_transpose():
+    """Lesson 09: the kit's logits == transformers' within the forward pass's bound (its
+    functions included), at full matmul precision; one square kernel loaded without its
+    transpose is over 100x outside."""
+    from pathlib import Path
+    from safetensors.numpy import load_file
+    from tunix_nb import hf
+    source = Path(__file__).parent / "fixtures" / "hf" / "qwen3"
+    graphdef, params, cfg = hf.load_pretrained(source, dtype="float32")
+    ref = load_file(source / "reference.safetensors")
+    real = ref["attention_mask"].astype(bool)
+    bound = compare.float32_bound(compare.forward_pass_terms(cfg, ref["input_ids"].shape[1]),
+                                  transcendentals=compare.forward_pass_transcendentals(cfg)) * float(np.abs(ref["logits"]).max())
+    logits = lambda p: np.asarray(model.apply(graphdef, p, jnp.asarray(ref["input_ids"]), jnp.asarray(ref["attention_mask"])))
+    with compare.agreement_precision():
+        assert np.abs(logits(params) - ref["logits"])[real].max() <= bound
+        kernel = params["blocks"][0]["attn"]["k"]["kernel"]
+        assert kernel.shape[0] == kernel.shape[1]  # square: a missing transpose loads without an error
+        wrong = jax.tree.map(lambda x: x, params)
+        wrong["blocks"][0]["attn"]["k"]["kernel"] = kernel.T
+        assert np.abs(logits(wrong) - ref["logits"])[real].max() >= 100 * bound
+
+
+def test_lesson10_merged_equals_adapters_and_the_unscaled_adapter_fails():
+    """Lesson 10: the merged model's logits == the adapted model's within the bound, at full
+    matmul precision; a merge that forgets alpha / rank is over 100x outside."""
+    from tunix_nb import lora
+    graphdef, params = model.split(model.make_model("student", seed=0))
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=16, alpha=16.0)
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    adapters = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    tokens = jnp.asarray(data.sft_arrays(data.load_sft()[:4], TOK, data.DEFAULT_SEQ_LEN)["inputs"])
+    cfg = model.get_config("student")
+    with compare.agreement_precision():
+        adapted = model.apply(lora_graphdef, lora.combine(adapters, base), tokens)
+        bound = compare.float32_bound(compare.forward_pass_terms(cfg, tokens.shape[1]) + 16,
+                                      transcendentals=compare.forward_pass_transcendentals(cfg)) * float(jnp.abs(adapted).max())
+        plain_graphdef, merged = lora.merge(lora_graphdef, adapters, base, alpha=16.0)
+        assert float(jnp.abs(model.apply(plain_graphdef, merged, tokens) - adapted).max()) <= bound
+        _, unscaled = lora.merge(lora_graphdef, adapters, base, alpha=16.0 * 4)  # scale 4, not 1
+        assert float(jnp.abs(model.apply(plain_graphdef, unscaled, tokens) - adapted).max()) >= 100 * bound
+
+
+def test_lesson11_gkd_loss_by_hand_like_with_like(student):
+    """Lesson 11: the generalized JSD summed by hand == distill.objective's at one compute
+    dtype, within the bound (bfloat16 forced on both sides too); the mixture weight beta
+    swapped (0.5 -> 0.9, the known-wrong version) is over 100x outside in float32."""
+    s_gd, s_params = student
+    t_gd, t_params = distill.load_teacher()
+    rows = data.sft_arrays(data.load_sft()[:8], TOK, data.DEFAULT_SEQ_LEN)
+    batch = {**rows, "own_sample": np.ones(8, np.float32)}  # on-policy rows: the divergence alone
+    bound = compare.float32_bound(int(batch["loss_mask"].size), transcendentals={"exp": 3, "log": 3})
+
+    def by_hand(dtype, beta):
+        cast = lambda p: precision.cast_floats(p, precision.resolve_compute_dtype(dtype))
+        s = model.apply(s_gd, cast(s_params), batch["inputs"], batch["attention_mask"])
+        t = model.apply(t_gd, cast(t_params), batch["inputs"], batch["attention_mask"])
+        per = jax.vmap(lambda a, b, y, m: losses.generalized_jsd_per_example(a, b, y, m, beta=beta, temperature=2.0))
+        return float(per(s, t, batch["targets"], batch["loss_mask"]).sum())
+
+    with compare.agreement_precision():
+        for dtype in ("float32", "bfloat16"):
+            pkg = float(distill.objective(s_gd, t_gd, beta=0.5, temperature=2.0, compute_dtype=dtype)(s_params, batch, t_params)[0])
+            assert abs(by_hand(dtype, 0.5) - pkg) <= bound * abs(pkg), dtype
+        assert abs(by_hand("float32", 0.9) - pkg) >= 100 * bound * abs(pkg)
+
+
+def test_lesson12_chunked_log_probs_bound_catches_a_dropped_chunk():
+    """Lesson 12: chunked log-probs == the full log-softmax within the bound; a sum that
+    drops the last chunk of the vocabulary (the known-wrong version) is over 100x outside."""
+    from tunix_nb import vocab_chunks
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    h_BxLxD, w_VxD = jax.random.normal(k1, (2, 5, 16)), jax.random.normal(k2, (1000, 16))
+    targets_BxL = jax.random.randint(k3, (2, 5), 0, 768)
+    with compare.agreement_precision():
+        head = model.OutputHead(lambda x: x @ w_VxD.T, w_VxD, None)
+        kit = vocab_chunks.token_log_probs(h_BxLxD, head, targets_BxL, jnp.ones((2, 5)), chunks=vocab_chunks.Chunking(256))
+        logits_BxLxV = h_BxLxD @ w_VxD.T
+        pick = lambda lp: jnp.take_along_axis(lp, targets_BxL[..., None], -1)[..., 0]
+        full = pick(jax.nn.log_softmax(logits_BxLxV))
+        dropped = pick(jax.nn.log_softmax(logits_BxLxV[..., :768]))  # the last 232 entries left out
+    bound = (compare.float32_bound(16, transcendentals={"exp": 1}) * float(jnp.abs(logits_BxLxV).max())
+             + compare.float32_bound(1000, transcendentals={"log": 1}) * float(np.log(1000)))
+    assert float(jnp.abs(kit - full).max()) <= bound
+    assert float(jnp.abs(dropped - full).max()) >= 100 * bound

@@ -3,15 +3,15 @@
 # keeping the machine's own JAX 0.10.2 and libtpu first on PYTHONPATH. qwix, which that index
 # lacks, and the pins it holds at other versions (orbax-checkpoint 0.12.8, ...), come as wheels
 # carried in .whl-tpu/ (`pip download --no-deps` of each pure-Python pin and qwix==0.1.8).
-# Usage: source results/lesson_runs/tpu_setup.sh   (then PYTHONPATH ends with /tmp/site)
+# Usage: source results/lesson_runs/tpu_setup.sh   (then PYTHONPATH ends with $SITE and the repository)
 set -e
-SITE=/tmp/site
+SITE="${TMPDIR:-/tmp}/tunix_site"
 # scipy: the machine's own (it comes with its JAX)
-grep -v -E '^(jax|jaxlib|scipy)==' requirements-lessons.txt | grep -E '^[A-Za-z]' > /tmp/pins.txt
-echo "ipython" >> /tmp/pins.txt
-echo "pytest-timeout" >> /tmp/pins.txt
+grep -v -E '^(jax|jaxlib|scipy)==' requirements-lessons.txt | grep -E '^[A-Za-z]' > "$SITE.pins"
+echo "ipython" >> "$SITE.pins"
+echo "pytest-timeout" >> "$SITE.pins"
 PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
-    --index-url file:///opt/pypi/simple --find-links .whl-tpu --target "$SITE" -r /tmp/pins.txt 2>&1 | grep -v -i warning || true
+    --index-url file:///opt/pypi/simple --find-links .whl-tpu --target "$SITE" -r "$SITE.pins" 2>&1 | grep -v -i warning || true
 # pip brings its own jax, jaxlib and numpy along: the machine's own stay
 rm -rf "$SITE"/jax "$SITE"/jax-* "$SITE"/jaxlib "$SITE"/jaxlib-* "$SITE"/numpy "$SITE"/numpy-* "$SITE"/numpy.libs "$SITE"/libtpu* "$SITE"/bin
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD"
