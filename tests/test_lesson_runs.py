@@ -151,3 +151,34 @@ def test_list_the_lessons_changed_since_the_chips_record():
                    f"{' and tunix_nb changed' if package_changed else ''}: rerun them on the chip")
         print(message)
         warnings.warn(message)
+
+
+def test_each_cell_records_its_compiles_and_the_slowest_cells_are_listed(tmp_path):
+    write_notebook(tmp_path / "01_compiles.ipynb", [
+        "import jax, jax.numpy as jnp",
+        "f = jax.jit(lambda x: jnp.sin(x) * 2.0)\nf(jnp.ones(3)).block_until_ready()",
+        "f(jnp.ones(3)).block_until_ready()  # cached: no compile",
+        "import time\ntime.sleep(0.3)"])
+    record = runner.run_lessons(["1"], notebooks=tmp_path, timeout_s=120, echo=lambda line: None)
+    [lesson] = record["lessons"]
+    assert lesson["completed"] and records.problems(record) == []
+    first, jitted, cached, sleep = lesson["cells"]
+    assert first["compiles"] is None  # JAX was imported by this cell: listening starts after it
+    assert jitted["compiles"] >= 1 and jitted["compile_seconds"] > 0
+    assert cached["compiles"] == 0 and sleep["compiles"] == 0
+    assert lesson["slowest_cells"][0]["index"] in (0, 1, 3) and len(lesson["slowest_cells"]) == 4
+    assert [c["seconds"] for c in lesson["slowest_cells"]] == sorted((c["seconds"] for c in lesson["cells"]),
+                                                                      reverse=True)
+
+
+def test_profile_keeps_the_top_functions_of_slow_cells_only(tmp_path):
+    write_notebook(tmp_path / "02_profiled.ipynb", [
+        "def busy_wait(seconds):\n    import time\n    end = time.perf_counter() + seconds\n"
+        "    while time.perf_counter() < end:\n        pass\nbusy_wait(0.6)",
+        "x = 1"])
+    record = runner.run_lessons(["2"], notebooks=tmp_path, timeout_s=120, profile_min_seconds=0.5,
+                                echo=lambda line: None)
+    slow, fast = record["lessons"][0]["cells"]
+    assert record["profile_min_seconds"] == 0.5 and "profile" not in fast
+    assert any("busy_wait" in row["function"] and row["cumulative_seconds"] >= 0.5 for row in slow["profile"])
+    assert not any(str(ROOT) in row["function"] for row in slow["profile"])  # no machine paths

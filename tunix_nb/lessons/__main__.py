@@ -37,6 +37,9 @@ def parse_args(argv):
                           "tests/test_lesson_runs.py checks the record's hashes against it")
     run.add_argument("--logs", type=Path, default=None,
                      help="a folder for each lesson's full output (default: only a failure's last lines, on stderr)")
+    run.add_argument("--profile", type=float, default=None, metavar="SECONDS",
+                     help="keep a Python profile (cProfile's top functions) of every cell that took at least "
+                          "SECONDS; it slows the cells, so use it to diagnose, not for the stored record")
     table = commands.add_parser("table", help="print the README's table of the records, or write it there")
     table.add_argument("--records", type=Path, default=None, help="default: results/lesson_runs/")
     table.add_argument("--readme", type=Path, default=None, help="rewrite this README's table instead of printing")
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     command = shlex.join(["python", "-m", "tunix_nb.lessons", *argv])
     record = runner.run_lessons(args.lessons, notebooks=args.notebooks, timeout_s=args.timeout,
                                 runtime=args.runtime, command=runner.scrub(command), log_dir=args.logs,
-                                commit=args.commit)
+                                commit=args.commit, profile_min_seconds=args.profile)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")

@@ -27,6 +27,7 @@ DEFAULT_TIMEOUT_S = 600
 RECORDED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "TUNIX_NB_DEVICES", "TPU_ACCELERATOR_TYPE")
 KIND_NAMES = {"TPU v5 lite": "TPU v5e", "TPU v6 lite": "TPU v6e"}  # JAX's device_kind -> the product's name
 OUTPUT_TAIL_LINES = 30  # of a failing lesson's output, printed to stderr
+SLOWEST_CELLS = 5  # listed per lesson with their compile profile, where a slow lesson's time went
 
 
 def find_notebooks(folder: Path, wanted: list[str] | None = None) -> list[Path]:
@@ -59,15 +60,18 @@ def scrub(text: str | None) -> str | None:
     return text.replace(root + os.sep, "").replace(root, ".").replace(home, "~")
 
 
-def run_child(notebook: Path, timeout_s: float, log_path: Path) -> tuple[dict, int | None, float]:
+def run_child(notebook: Path, timeout_s: float, log_path: Path,
+              profile_min_seconds: float | None = None) -> tuple[dict, int | None, float]:
     """Run one notebook in a fresh process: (the child's result, its exit status or None when
     it was killed at the timeout, its wall time)."""
+    profile = [] if profile_min_seconds is None else [str(profile_min_seconds)]
     with tempfile.TemporaryDirectory(prefix="lesson_run_") as tmp:
         result_path = Path(tmp) / "result.json"
         with open(log_path, "w") as log:
             start = time.perf_counter()
             child = subprocess.Popen(
-                [sys.executable, "-m", "tunix_nb.lessons.shell", str(notebook.resolve()), str(result_path)],
+                [sys.executable, "-m", "tunix_nb.lessons.shell", str(notebook.resolve()), str(result_path),
+                 *profile],
                 cwd=notebook.parent, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)  # its own group: a timeout ends its children too
             try:
@@ -85,9 +89,14 @@ def last_lines(path: Path, n: int) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def lesson_record(notebook: Path, timeout_s: float, log_path: Path) -> dict:
+def slowest_cells(cells: list[dict], n: int = SLOWEST_CELLS) -> list[dict]:
+    """The `n` slowest cells, slowest first, each with its compile profile (compiles and their seconds)."""
+    return sorted(cells, key=lambda cell: -cell["seconds"])[:n]
+
+
+def lesson_record(notebook: Path, timeout_s: float, log_path: Path, profile_min_seconds: float | None = None) -> dict:
     """One lesson's entry of the run's record."""
-    child, status, seconds = run_child(notebook, timeout_s, log_path)
+    child, status, seconds = run_child(notebook, timeout_s, log_path, profile_min_seconds)
     cells = child.get("cells", [])
     failed, error = child.get("failed_cell"), child.get("error")
     if status is None:
@@ -102,6 +111,7 @@ def lesson_record(notebook: Path, timeout_s: float, log_path: Path) -> dict:
         "code_cells": child.get("code_cells"),
         "cells": cells,
         "cells_seconds": round(sum(cell["seconds"] for cell in cells), 1),
+        "slowest_cells": slowest_cells(cells),
         "completed": failed is None and error is None,
         "failed_cell": failed,
         "error": scrub(error),
@@ -146,9 +156,11 @@ def progress_line(lesson: dict) -> str:
 def run_lessons(wanted: list[str] | None = None, *, notebooks: Path | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S, runtime: str | None = None,
                 command: str | None = None, log_dir: Path | None = None, commit: str | None = None,
-                echo=print) -> dict:
+                profile_min_seconds: float | None = None, echo=print) -> dict:
     """Run the lessons one after another, each in a fresh process; the run's record.
-    `commit`: the commit this tree is, for a copy without git's history (then "dirty" is unknown, None)."""
+    `commit`: the commit this tree is, for a copy without git's history (then "dirty" is unknown, None).
+    `profile_min_seconds`: a Python profile of every cell that took at least that long (it slows
+    the cells: a diagnostic run's times are not the lessons' times)."""
     root = hashes.repo_root()
     folder = Path(notebooks) if notebooks else root / "notebooks"
     paths = find_notebooks(folder, wanted)
@@ -157,12 +169,13 @@ def run_lessons(wanted: list[str] | None = None, *, notebooks: Path | None = Non
               **({"commit": commit, "dirty": None} if commit else hashes.commit_state(root)),
               "tunix_nb_sha256": hashes.package_hash(hashes.package_files(root)),
               "notebooks": scrub(str(folder.resolve())), "machine": machine_facts(),
-              "command": command, "timeout_s": timeout_s, "lessons": []}
+              "command": command, "timeout_s": timeout_s, "profile_min_seconds": profile_min_seconds,
+              "lessons": []}
     with tempfile.TemporaryDirectory(prefix="lesson_logs_") as tmp:
         for path in paths:
             log_path = Path(log_dir or tmp) / f"{path.stem}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            lesson = lesson_record(path, timeout_s, log_path)
+            lesson = lesson_record(path, timeout_s, log_path, profile_min_seconds)
             record["lessons"].append(lesson)
             echo(progress_line(lesson))
             if not lesson["completed"]:

@@ -1,6 +1,6 @@
 """The child process: one notebook's code cells, in order, in an in-process IPython shell.
 
-`python -m tunix_nb.lessons.shell NOTEBOOK RESULT_JSON`, started by `runner` in a fresh
+`python -m tunix_nb.lessons.shell NOTEBOOK RESULT_JSON [PROFILE_MIN_SECONDS]`, started by `runner` in a fresh
 process with the notebook's folder as its working directory. IPython transforms `!cmd`,
 `%magic` and `%%writefile` as Jupyter's kernel would, without a kernel's sockets. It stops
 at the first failing cell. RESULT_JSON is rewritten before and after every cell, so a
@@ -16,6 +16,9 @@ import json
 import os
 import sys
 import time
+
+from tunix_nb.lessons.cell_profile import CellProfiler
+from tunix_nb.lessons.compiles import CompileMeter
 
 ERROR_CHARS = 2000  # an error's message is cut to this many characters
 
@@ -77,21 +80,25 @@ def new_shell():
     return InteractiveShell.instance(config=config, colors="nocolor")
 
 
-def run_notebook(notebook_path: str, result_path: str) -> dict:
-    """Run the code cells in order until the first error; the result also lands in `result_path`."""
+def run_notebook(notebook_path: str, result_path: str, profile_min_seconds: float | None = None) -> dict:
+    """Run the code cells in order until the first error; the result also lands in `result_path`.
+    `profile_min_seconds`: keep a Python profile of each cell that took at least that long."""
     with open(notebook_path) as f:
         sources = code_cells(json.load(f))
     result = {"cells": [], "code_cells": len(sources), "running": None, "failed_cell": None, "error": None,
               "backend": None, "device_kind": None, "device_count": None,
               "jax": package_version("jax"), "jaxlib": package_version("jaxlib"),
               "libtpu": package_version("libtpu", "libtpu-nightly")}
-    shell = new_shell()
+    shell, meter, profiler = new_shell(), CompileMeter(), CellProfiler(profile_min_seconds)
     for index, source in enumerate(sources):
         result["running"] = index
         write_json(result_path, result)
+        meter.listen_once_jax_is_imported()
+        profiler.start()
         start = time.perf_counter()
         outcome = shell.run_cell(source, store_history=True)
-        result["cells"].append({"index": index, "seconds": round(time.perf_counter() - start, 3)})
+        seconds = round(time.perf_counter() - start, 3)
+        result["cells"].append({"index": index, "seconds": seconds, **meter.take(), **profiler.stop(seconds)})
         if result["backend"] is None:
             result.update(jax_facts())
         if not outcome.success:
@@ -104,5 +111,6 @@ def run_notebook(notebook_path: str, result_path: str) -> dict:
 
 
 if __name__ == "__main__":
-    notebook, out = sys.argv[1:3]
-    sys.exit(0 if run_notebook(notebook, out)["failed_cell"] is None else 1)
+    notebook, out, *profile = sys.argv[1:4]
+    min_seconds = float(profile[0]) if profile else None
+    sys.exit(0 if run_notebook(notebook, out, min_seconds)["failed_cell"] is None else 1)
