@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, compare, lora, model, preempt
+from tunix_nb import checkpoint, compare, lora, model, peft_adapter, preempt
 from tunix_nb import cli as cli_module
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
@@ -61,6 +61,21 @@ def test_export_merges_the_adapters_into_a_plain_model(uninterrupted):
     adapted = model.apply(lora_graphdef, lora.combine(adapters, frozen_base), tokens)
     np.testing.assert_allclose(model.apply(graphdef, merged, tokens), adapted, atol=1e-5)
     assert np.abs(adapted - model.apply(base_graphdef, base, tokens)).max() > 1e-2  # training moved it
+
+
+def test_export_params_leaves_the_adapters_to_export_adapter(tmp_path):
+    """--export-params writes the merged model, and --export-adapter in the same run still gets
+    the trained adapters (it used to get the merged model, and the run failed there)."""
+    argv = [*SFT, "--steps", "2", "--export-params", str(tmp_path / "params"),
+            "--export-adapter", str(tmp_path / "adapter")]
+    assert cli_module.main(argv) == 0
+    base_graphdef, base = model.split(model.make_model("tiny", seed=0))
+    lora_graphdef, adapters, frozen_base, _ = peft_adapter.load_adapter(tmp_path / "adapter", base_graphdef, base)
+    assert max(float(np.abs(b).max()) for b in jax.tree.leaves(adapters)) > 0  # trained, not the initial B = 0
+    graphdef, merged, _ = checkpoint.load_model(tmp_path / "params")
+    tokens = jnp.asarray(np.arange(3, 27).reshape(2, 12), jnp.int32)
+    np.testing.assert_allclose(model.apply(graphdef, merged, tokens),
+                               model.apply(lora_graphdef, lora.combine(adapters, frozen_base), tokens), atol=1e-5)
 
 
 def test_killed_mid_run_resumes_to_the_same_adapters_bitwise(tmp_path, uninterrupted):

@@ -65,3 +65,9 @@ def is_main_process() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def print_once(message: str) -> None:
+    """Print what every process would print alike: once, from process 0."""
+    if is_main_process():
+        print(message, flush=True)

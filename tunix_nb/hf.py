@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tunix_nb import model, parallel
+from tunix_nb.model import abstract_model  # its former home: hf.abstract_model still works
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -408,11 +409,6 @@ def _shardings(abstract_params, sharding):
     if isinstance(sharding, jax.sharding.Sharding):
         return jax.tree.map(lambda _: sharding, abstract_params)
     return sharding(abstract_params)
-
-
-def abstract_model(config: model.ModelConfig):
-    """(graphdef, params of ShapeDtypeStructs): the model's structure, nothing allocated."""
-    return nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))
 
 
 def check_dtype(dtype, allowed=DTYPES, *, what: str = "dtype") -> None:

@@ -32,7 +32,7 @@ import time
 from typing import Callable
 
 from tunix_nb import devices
-from tunix_nb.cli import MESH_CHOICES  # the strategies whose mesh spans processes
+from tunix_nb.train.config import MESH_CHOICES  # the strategies whose mesh spans processes
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # on loopback a silent process is a dead one; clusters use JAX's 100 s
 # gloo prints a line per connection from several threads at once, word by word, so its

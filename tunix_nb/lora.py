@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
+from tunix_nb import model
 from tunix_nb.config_flags import option, positive_float, positive_int
 
 # Tunix's examples adapt every projection of attention and the MLP, with alpha = rank
@@ -181,10 +182,8 @@ def merge(lora_graphdef, adapters, base, *, alpha: float):
     adapted model computes (to float32 rounding) without qwix, ready for
     `hf.save_pretrained` or any code that takes the kit's model.
     """
-    from tunix_nb import hf  # the plain model's structure, built abstractly
-
     adapted = nnx.merge(lora_graphdef, combine(adapters, base))
-    plain_graphdef, plain = hf.abstract_model(adapted.cfg)
+    plain_graphdef, plain = model.abstract_model(adapted.cfg)  # the plain model's structure, nothing allocated
     pure = nnx.to_pure_dict(base)
     for path, layer in nnx.iter_modules(adapted):
         if not hasattr(layer, "kernel_lora_a"):

@@ -443,6 +443,11 @@ def split(model: Transformer):
     return nnx.split(model)
 
 
+def abstract_model(config: ModelConfig):
+    """(graphdef, params of ShapeDtypeStructs): the model's structure, nothing allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+
 def apply(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segment_ids_BxL=None, positions_BxL=None):
     """Pure forward pass: logits [B, L, V] from a parameter pytree (packed rows: see
     `Transformer.__call__`)."""
@@ -455,6 +460,14 @@ def hidden_states(graphdef, params, tokens_BxL, attention_mask_BxL=None, *, segm
     """Pure forward pass up to the final norm: hidden states [B, L, D] (see `Transformer.hidden_states`)."""
     return nnx.merge(graphdef, params)(tokens_BxL, attention_mask_BxL, segment_ids_BxL=segment_ids_BxL,
                                        positions_BxL=positions_BxL, entry="hidden_states")
+
+
+def segment_keywords(batch) -> dict:
+    """A packed batch's segment ids and positions (`tunix_nb.packing`) as `apply`'s and
+    `hidden_states`' keywords; {} for plain rows, which the model then reads as before."""
+    if "segment_ids" not in batch:
+        return {}
+    return {"segment_ids_BxL": batch["segment_ids"], "positions_BxL": batch["positions"]}
 
 
 class OutputHead(NamedTuple):

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_nb import data, losses, vocab_chunks
+from tunix_nb import data, losses, sft, vocab_chunks
 from tunix_nb import model as model_lib
+from tunix_nb.model import segment_keywords  # its former home: packing.segment_keywords still works
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
 STRATEGIES = ("first_fit_decreasing", "next_fit")
@@ -245,14 +246,6 @@ def padding_fraction(attention_mask_BxL) -> float:
 # ------------------------------------------------------------------- the objectives
 
 
-def segment_keywords(batch) -> dict:
-    """A packed batch's segment ids and positions as the model's keywords (`model.apply`,
-    `model.hidden_states`); {} for plain rows, which the model then reads as before."""
-    if "segment_ids" not in batch:
-        return {}
-    return {"segment_ids_BxL": batch["segment_ids"], "positions_BxL": batch["positions"]}
-
-
 def apply_packed(graphdef, params, batch):
     """Logits [R, L, V] of a packed batch: each example attends only to itself."""
     return model_lib.apply(graphdef, params, batch["inputs"], batch["attention_mask"], **segment_keywords(batch))
@@ -263,8 +256,6 @@ def sft_objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk
     tokens, token count, {}). The same sums as the unpacked batch's, so `train.make_step`
     trains on either alike, and the chunked log-probs (`vocab_chunk`) serve both.
     """
-    from tunix_nb import sft  # sft reads packed batches through segment_keywords
-
     return sft.objective(graphdef, compute_dtype=compute_dtype, vocab_chunk=vocab_chunk, seq_chunk=seq_chunk)
 
 

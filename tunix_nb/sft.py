@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import jax
 
-from tunix_nb import losses, packing, vocab_chunks
+from tunix_nb import losses, vocab_chunks
 from tunix_nb import model as model_lib
 from tunix_nb.precision import cast_floats, resolve_compute_dtype
 
@@ -43,7 +43,7 @@ def objective(graphdef, *, compute_dtype="auto", vocab_chunk=None, seq_chunk=Non
 
     def sft_objective(params, batch, frozen=None):
         params = cast_floats(params, compute_dtype)
-        segments = packing.segment_keywords(batch)  # {} for plain rows
+        segments = model_lib.segment_keywords(batch)  # {} for plain rows
         if chunks is not None:
             hidden_BxLxD = model_lib.hidden_states(graphdef, params, batch["inputs"], batch["attention_mask"],
                                                    **segments)

@@ -1,0 +1,43 @@
+"""The last stage: what a finished run writes beside its checkpoints; --export-params (the
+plain model's parameters, as an Orbax checkpoint), --export-hf (a Hugging Face folder) and
+--export-adapter (the LoRA adapters as a PEFT adapter folder).
+"""
+
+from __future__ import annotations
+
+from tunix_nb.cli.methods import Method
+from tunix_nb.cli.run_config import RunConfig
+from tunix_nb.distributed import print_once
+
+
+def export_run(args, config: RunConfig, method: Method, params, step: int) -> None:
+    """Every export the flags ask for, from the trained `params` (with LoRA: the adapters)."""
+    from tunix_nb import checkpoint
+
+    if args.export_params:  # with LoRA: the adapters merged into the base, a plain model
+        plain = method.exportable(params)[1] if method.exportable is not None else params
+        checkpoint.export_params(plain, args.export_params, step=step,
+                                 meta={"model": config.model, "config": config.record()})
+    export_folders(args, config, method, params)
+
+
+def export_folders(args, config: RunConfig, method: Method, params) -> None:
+    """--export-hf: a Hugging Face folder (LoRA merged, the source's config fields and tokenizer
+    files); --export-adapter: the LoRA adapters as a PEFT adapter folder."""
+    from flax import nnx
+
+    from tunix_nb import hf, peft_adapter
+
+    if not (args.export_hf or args.export_adapter):
+        return
+    graphdef, plain = method.exportable(params) if method.exportable is not None else (method.graphdef, params)
+    model_config = nnx.merge(graphdef, plain).cfg
+    if args.export_hf:
+        hf.save_pretrained(args.export_hf, graphdef, plain, model_config, source=config.model_dir,
+                           dtype=args.export_dtype or config.source.dtype, max_shard_size=args.max_shard_size)
+        print_once(f"Wrote a Hugging Face checkpoint to {args.export_hf}")
+    if args.export_adapter:
+        peft_adapter.save_adapter(args.export_adapter, params, model_config, alpha=method.lora_alpha,
+                                  base_model_name_or_path=config.source.model or config.model,
+                                  revision=config.source.revision)
+        print_once(f"Wrote a PEFT LoRA adapter to {args.export_adapter}")

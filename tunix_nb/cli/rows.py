@@ -1,0 +1,56 @@
+"""The build stage's data: the rows a method trains and evaluates on, as arrays; the shipped
+task's splits, or --train-file / --eval-file in TRL's formats (`tunix_nb.user_data`).
+"""
+
+from __future__ import annotations
+
+from tunix_nb import sampler
+from tunix_nb.cli.flags import RunError
+from tunix_nb.cli.run_config import RunConfig
+from tunix_nb.distributed import print_once
+
+
+def training_examples(config: RunConfig, split: str = "train") -> list[dict]:
+    """The shipped task's examples of `split` ("train" or "eval") for the method."""
+    from tunix_nb import data
+
+    if config.command == "dpo":
+        return data.load_preferences(data.DATA_DIR / f"preferences_{split}.jsonl")
+    return data.load_sft(data.DATA_DIR / f"sft_{split}.jsonl")
+
+
+def user_file(config: RunConfig, split: str = "train") -> str | None:
+    """--train-file or --eval-file (None: the shipped task's split)."""
+    return config.data.train_file if split == "train" else config.data.eval_file
+
+
+def encoded_user_data(config: RunConfig, tokenizer, split: str = "train"):
+    """--train-file / --eval-file through tunix_nb.user_data (TRL's formats, the chat template,
+    --max-length's truncation policy): a user_data.Encoded, its cut rows reported."""
+    from tunix_nb import data, user_data
+
+    source = user_file(config, split)
+    encode = user_data.ENCODERS["dpo" if config.command == "dpo" else "grpo" if config.command == "grpo" else "sft"]
+    try:
+        encoded = encode(source, tokenizer, max_length=config.data.max_length)
+    except (data.DataError, FileNotFoundError, ValueError) as err:
+        raise RunError(f"--{'train' if split == 'train' else 'eval'}-file: {err}")
+    if encoded.n_cut:
+        print_once(f"{source}: {encoded.n_cut} rows lost the beginning of their prompt to fit --max-length "
+                   f"{config.data.max_length}")
+    return encoded
+
+
+def training_arrays(config: RunConfig, tokenizer, split: str = "train", examples=None) -> dict:
+    """The rows the method trains (or evaluates) on, as arrays: prompt/completion rows (sft,
+    distill), preference pairs (dpo) or prompts (grpo); from --train-file / --eval-file when given."""
+    from tunix_nb import data
+
+    if user_file(config, split) is not None:
+        return encoded_user_data(config, tokenizer, split).arrays
+    examples = training_examples(config, split) if examples is None else examples
+    if config.command == "dpo":
+        return data.preference_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
+    if config.command == "grpo":
+        return sampler.prompt_rows(examples, tokenizer)
+    return data.sft_arrays(examples, tokenizer, data.DEFAULT_SEQ_LEN)
