@@ -182,3 +182,7 @@ def test_profile_keeps_the_top_functions_of_slow_cells_only(tmp_path):
     assert record["profile_min_seconds"] == 0.5 and "profile" not in fast
     assert any("busy_wait" in row["function"] and row["cumulative_seconds"] >= 0.5 for row in slow["profile"])
     assert not any(str(ROOT) in row["function"] for row in slow["profile"])  # no machine paths
+    assert not any(row["function"].startswith("IPython/") for row in slow["profile"])  # the cell's plumbing
+    # by own time: the busy loop spends its seconds in itself and in the clock it reads
+    assert sum(row["own_seconds"] for row in slow["profile_own_time"]
+               if "busy_wait" in row["function"] or "perf_counter" in row["function"]) >= 0.5

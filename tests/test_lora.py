@@ -74,6 +74,20 @@ def test_merged_export_computes_what_the_adapted_model_computes(tiny, quantize, 
     assert compare.bitwise_equal(p2, merged)
 
 
+def test_merge_multiplies_the_adapters_at_float32_precision_on_any_backend(tiny, monkeypatch):
+    """A TPU multiplies float32 matrices in one bfloat16 pass by default, so A B must ask for
+    'highest' itself: else the export differs from base + adapters by bfloat16 rounding
+    (lesson 12 failed so on a TPU v5e). A CPU computes both ways alike, so the call is checked."""
+    graphdef, params = tiny
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
+    precisions, matmul = [], jnp.matmul
+    monkeypatch.setattr(jnp, "matmul", lambda *a, **k: precisions.append(k.get("precision")) or matmul(*a, **k))
+    with jax.default_matmul_precision("bfloat16"):
+        lora.merge(lora_graphdef, nudged(adapters), base, alpha=8.0)
+    adapted_kernels = len(jax.tree.leaves(adapters)) // 2
+    assert precisions == [jax.lax.Precision.HIGHEST] * adapted_kernels
+
+
 def test_qlora_on_a_loaded_checkpoint_quantises_the_base_and_keeps_adapters_float32():
     graphdef, params, _ = hf.load_pretrained(QWEN3)
     with pytest.raises(ValueError, match="tile_size=32: a kernel's input size does not divide by it"):

@@ -192,6 +192,9 @@ def merge(lora_graphdef, adapters, base, *, alpha: float):
         node = pure
         for key in path:
             node = node[key]
-        node["kernel"] = _dense_kernel(layer) + (alpha / a.shape[-1]) * (a @ b)
+        # Full float32 precision on every backend: at a TPU's default one bfloat16 pass the
+        # export would differ from base + adapters by bfloat16 rounding (lesson 12's check).
+        update = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        node["kernel"] = _dense_kernel(layer) + (alpha / a.shape[-1]) * update
     nnx.replace_by_pure_dict(plain, pure)
     return plain_graphdef, plain
