@@ -153,6 +153,12 @@ def test_list_the_lessons_changed_since_the_chips_record():
         warnings.warn(message)
 
 
+def test_records_name_no_machine_paths(monkeypatch):
+    monkeypatch.setenv("OUT", "/device/out/")
+    command = f"python -m tunix_nb.lessons run --out /device/out/x.json --notebooks {ROOT}/notebooks --logs {Path.home()}/l"
+    assert runner.scrub(command) == "python -m tunix_nb.lessons run --out $OUT/x.json --notebooks notebooks --logs ~/l"
+
+
 def test_each_cell_records_its_compiles_and_the_slowest_cells_are_listed(tmp_path):
     write_notebook(tmp_path / "01_compiles.ipynb", [
         "import jax, jax.numpy as jnp",

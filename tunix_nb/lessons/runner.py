@@ -57,6 +57,9 @@ def scrub(text: str | None) -> str | None:
     if text is None:
         return None
     root, home = str(hashes.repo_root()), str(Path.home())
+    out = os.environ.get("OUT")  # a device machine's folder of returned files
+    if out:
+        text = text.replace(out.rstrip(os.sep), "$OUT")
     return text.replace(root + os.sep, "").replace(root, ".").replace(home, "~")
 
 
