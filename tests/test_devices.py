@@ -251,3 +251,29 @@ def test_the_command_says_which_dtype_auto_chose(tmp_path, capsys):
 
     assert cli.main(["sft", "--steps", "1", "--batch-size", "4", "--metrics-file", str(tmp_path / "m.jsonl")]) == 0
     assert "--compute-dtype auto: float32 (CPUs have no fast bfloat16 matmul)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("hint_env, quick_compile, user_value, expected", [
+    ({"COLAB_TPU_ADDR": "x"}, True, None, "-1"),        # a TPU: least effort on execution time
+    ({"COLAB_TPU_ADDR": "x"}, True, "0.5", "0.5"),     # the user's own setting wins
+    ({"COLAB_TPU_ADDR": "x"}, False, None, None),      # to time programs at XLA's default
+    ({"COLAB_GPU": "1"}, True, None, None),            # measured on a TPU only
+    ({}, True, None, None),                            # a CPU compiles no faster so
+])
+def test_setup_asks_a_tpu_for_quick_compiles(monkeypatch, capsys, hint_env, quick_compile, user_value, expected):
+    for key in (*devices.HINT_ENV, devices.DEVICES_ENV, devices.JAX_COUNT_ENV, devices.COMPILE_EFFORT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", f"{FLAG}=8")
+    for key, value in {**hint_env, **({devices.COMPILE_EFFORT_ENV: user_value} if user_value else {})}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(devices, "DEV_ROOT", NO_DEVICE_FILES)
+    monkeypatch.setattr(devices, "simulate_cpu_devices", lambda n: None)
+    before = jax.config.jax_exec_time_optimization_effort
+    try:
+        devices.setup(8, quick_compile=quick_compile)
+        assert os.environ.get(devices.COMPILE_EFFORT_ENV) == expected
+        assert jax.config.jax_exec_time_optimization_effort == (float(expected) if expected else before)
+        said = capsys.readouterr().out
+        assert (f"{devices.COMPILE_EFFORT_ENV}={expected})" in said) == (expected is not None), said
+    finally:
+        jax.config.update("jax_exec_time_optimization_effort", before)

@@ -192,3 +192,21 @@ def test_profile_keeps_the_top_functions_of_slow_cells_only(tmp_path):
     # by own time: the busy loop spends its seconds in itself and in the clock it reads
     assert sum(row["own_seconds"] for row in slow["profile_own_time"]
                if "busy_wait" in row["function"] or "perf_counter" in row["function"]) >= 0.5
+
+
+def test_the_quick_compile_figures_are_the_chips_measurement():
+    """`devices.use_quick_compile` quotes results/compile_costs/effort_tpu.json."""
+    from tunix_nb import devices
+
+    chip = json.loads((ROOT / "results" / "compile_costs" / "effort_tpu.json").read_text())["settings"]
+    default, quick = chip["default"], chip["effort-1"]
+    assert default["backend"] == quick["backend"] == "tpu"
+    assert quick["env"] == {devices.COMPILE_EFFORT_ENV: devices.QUICK_COMPILE_EFFORT}
+    step, decode = "agreement/sft_step", "agreement/greedy_generate"
+    said = " ".join(devices.use_quick_compile.__doc__.split())
+    for phrase in (f"compiles in {quick[step]['compile_s']:.1f} s instead of {default[step]['compile_s']:.1f}",
+                   f"decoder in {quick[decode]['compile_s']:.1f} s instead of {default[decode]['compile_s']:.1f}",
+                   f"run in {quick[step]['run_median_ms']:.1f} ms instead of {default[step]['run_median_ms']:.1f}",
+                   f"{quick[decode]['run_median_ms']:.1f} ms instead of {default[decode]['run_median_ms']:.1f}"):
+        assert phrase in said, phrase
+    assert quick[step]["compile_s"] < 0.7 * default[step]["compile_s"]

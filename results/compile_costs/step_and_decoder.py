@@ -9,7 +9,7 @@ setting adds: the SFT training step and the greedy decoder of the lessons' stude
 
 Run it in a fresh process, JAX's persistent compilation cache off:
 
-    python results/lesson_runs/tpu_compile_costs.py > compile_costs.json
+    python results/compile_costs/step_and_decoder.py > step_and_decoder_BACKEND.json
 """
 
 import contextlib

@@ -2,9 +2,9 @@
 call (a dispatch), a jitted call, a scalar's trip to the host, a small transfer to the device,
 with JAX's persistent compilation cache off and on. Run it in a fresh process:
 
-    python results/lesson_runs/tpu_costs.py > costs.json
+    python results/compile_costs/eager_and_dispatch.py > eager_and_dispatch_BACKEND.json
 
-The lessons' slow cells on a TPU are read against these figures (results/lesson_runs/README.md).
+The lessons' slow cells on a TPU are read against these figures (README.md here).
 """
 
 import json
