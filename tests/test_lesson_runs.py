@@ -121,7 +121,10 @@ def test_a_record_is_well_formed_and_covers_every_lesson(name):
 
 @pytest.mark.parametrize("name", RECORD_NAMES)
 def test_a_record_matches_the_notebooks_and_package_at_its_commit(name):
-    record = stored(name)
+    assert_made_at_its_commit(stored(name), name)
+
+
+def assert_made_at_its_commit(record: dict, name: str) -> None:
     commit = record["commit"]
     assert commit and not record["dirty"], f"{name} was made from uncommitted notebooks or tunix_nb"
     # (dirty is None where the tree was a copy without git, given --commit: the hashes below are the check)
@@ -131,6 +134,18 @@ def test_a_record_matches_the_notebooks_and_package_at_its_commit(name):
     for lesson in record["lessons"]:
         at_commit = hashes.notebook_hash_at(commit, f"notebooks/{lesson['lesson']}.ipynb")
         assert at_commit == lesson["notebook_sha256"], f"{name}: {lesson['lesson']} differs from {commit[:7]}'s"
+
+
+PARTS = sorted(p.name for p in (RECORDS / "tpu_v5e_1_partial").glob("*.json"))
+
+
+@pytest.mark.parametrize("name", PARTS)
+def test_the_chips_per_lesson_runs_are_well_formed_and_made_at_their_commit(name):
+    """The chip's runs so far, one lesson a file (`merge` makes tpu_v5e_1.json once all 13 share a commit)."""
+    record = json.loads((RECORDS / "tpu_v5e_1_partial" / name).read_text())
+    assert records.problems(record) == [] and [lesson["backend"] for lesson in record["lessons"]] == ["tpu"]
+    assert all(lesson["completed"] for lesson in record["lessons"]), name
+    assert_made_at_its_commit(record, name)
 
 
 def test_the_readme_table_is_the_records():
@@ -210,3 +225,25 @@ def test_the_quick_compile_figures_are_the_chips_measurement():
                    f"{quick[decode]['run_median_ms']:.1f} ms instead of {default[decode]['run_median_ms']:.1f}"):
         assert phrase in said, phrase
     assert quick[step]["compile_s"] < 0.7 * default[step]["compile_s"]
+
+
+def test_parts_made_from_one_commit_merge_into_one_record(tmp_path):
+    for name in ("00_a", "01_b", "02_c"):
+        write_notebook(tmp_path / f"{name}.ipynb", ["x = 1"])
+    commit = "0" * 40
+    parts = []
+    for lessons in (["2"], ["0", "1"]):
+        out = tmp_path / f"part_{lessons[0]}.json"
+        assert main(["run", *lessons, "--notebooks", str(tmp_path), "--out", str(out), "--commit", commit]) == 0
+        parts.append(out)
+    merged = tmp_path / "merged.json"
+    assert main(["merge", *map(str, parts), "--out", str(merged)]) == 0
+    record = json.loads(merged.read_text())
+    assert records.problems(record) == [] and record["commit"] == commit and record["dirty"] is None
+    assert [lesson["lesson"] for lesson in record["lessons"]] == ["00_a", "01_b", "02_c"]
+    assert record["command"].count("tunix_nb.lessons run") == 2
+    other = {**json.loads(parts[0].read_text()), "commit": "1" * 40}
+    with pytest.raises(ValueError, match="record 2 has commit '1111111"):
+        records.merge([json.loads(parts[1].read_text()), other])
+    with pytest.raises(ValueError, match=r"a lesson appears in two records: \['02_c'\]"):
+        records.merge([json.loads(parts[0].read_text())] * 2)

@@ -1,10 +1,12 @@
 """`python -m tunix_nb.lessons run [NN ...] --out FILE`: run the lessons headless and record them.
 `python -m tunix_nb.lessons table [--readme README.md]`: the README's "Runs on" table from the records.
+`python -m tunix_nb.lessons merge PART.json ... --out FILE`: one record from parts run from one commit.
 
 Examples:
   python -m tunix_nb.lessons run --out results/lesson_runs/cpu_2core.json        # all 13 lessons
   python -m tunix_nb.lessons run 00 01 --out first_two.json --timeout 300
   python -m tunix_nb.lessons table --readme README.md                            # rewrite the README's table
+  python -m tunix_nb.lessons merge tpu_00.json tpu_01.json --out results/lesson_runs/tpu_v5e_1.json
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def parse_args(argv):
     table = commands.add_parser("table", help="print the README's table of the records, or write it there")
     table.add_argument("--records", type=Path, default=None, help="default: results/lesson_runs/")
     table.add_argument("--readme", type=Path, default=None, help="rewrite this README's table instead of printing")
+    merge = commands.add_parser("merge", help="one record from runs of other lessons made from one commit")
+    merge.add_argument("parts", nargs="+", type=Path, help="the records to merge")
+    merge.add_argument("--out", required=True, type=Path, help="the merged record to write")
     return parser.parse_args(argv)
 
 
@@ -56,6 +61,11 @@ def main(argv=None) -> int:
         else:
             changed = records.write_readme_table(args.readme, rendered)
             print(f"{args.readme}: {'table updated' if changed else 'table already current'}")
+        return 0
+    if args.command == "merge":
+        record = records.merge([json.loads(part.read_text()) for part in args.parts])
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{records.outcome(record)} lessons ran to the end on {record['runtime']}; wrote {args.out}")
         return 0
     command = shlex.join(["python", "-m", "tunix_nb.lessons", *argv])
     record = runner.run_lessons(args.lessons, notebooks=args.notebooks, timeout_s=args.timeout,

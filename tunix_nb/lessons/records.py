@@ -51,6 +51,36 @@ def problems(record: dict) -> list[str]:
     return found
 
 
+# What every part of a merged record must share: it was made from one tree, on one kind of machine.
+SHARED_KEYS = ("schema", "runtime", "commit", "tunix_nb_sha256")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One record from runs of different lessons made from the same commit on the same runtime
+    (a device call returns few files and runs at most minutes, so a chip's record comes in parts).
+    Lessons in lesson order; the latest date; every part's command."""
+    if not parts:
+        raise ValueError("merge: no records given.")
+    first = parts[0]
+    if first["commit"] is None:
+        raise ValueError("merge: the records name no commit; record with --commit, so the parts can be matched.")
+    for i, part in enumerate(parts[1:], start=2):
+        for key in SHARED_KEYS:
+            if part[key] != first[key]:
+                raise ValueError(f"merge: record {i} has {key} {part[key]!r}, record 1 {first[key]!r}; "
+                                 "merge only runs made from one commit on one runtime.")
+    lessons = [lesson for part in parts for lesson in part["lessons"]]
+    names = [lesson["lesson"] for lesson in lessons]
+    if len(set(names)) != len(names):
+        raise ValueError(f"merge: a lesson appears in two records: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    dirty = [part["dirty"] for part in parts]
+    return {**first, "date": max(part["date"] for part in parts),
+            "dirty": True if True in dirty else (None if None in dirty else False),
+            "timeout_s": max(part["timeout_s"] for part in parts),
+            "command": " ; ".join(part["command"] or "unknown" for part in parts),
+            "lessons": sorted(lessons, key=lambda lesson: lesson["lesson"])}
+
+
 def load_records(folder: Path | None = None) -> dict[str, dict]:
     """file name -> record, in the table's order."""
     folder = folder or hashes.repo_root() / RECORDS_DIR
