@@ -148,14 +148,18 @@ def state_shardings(tree, mesh: Mesh, parallel_mode: str):
     raise ValueError(f"Unknown mesh strategy {parallel_mode!r}; choose one of {MESH_MODES}.")
 
 
-def place_state(tree, mesh: Mesh, parallel_mode: str):
+def place_state(tree, mesh: Mesh, parallel_mode: str, *, copy: bool = True):
     """Put the training state on the mesh as `parallel_mode` wants it, as new arrays.
 
     New arrays, so that a donating step cannot delete the caller's: `device_put` may
     reuse the input's buffer as one device's replica (even with may_alias=False), and
     returns an array already placed as it is, so such leaves are copied once more.
+    `copy=False`, for a caller that hands its arrays over (the training command): leaves
+    already placed stay as they are, so the state is held once.
     """
     placed = jax.device_put(tree, state_shardings(tree, mesh, parallel_mode))
+    if not copy:
+        return placed
 
     def fresh(new, old):
         reused = new is old or new.sharding.is_fully_replicated

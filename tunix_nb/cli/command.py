@@ -29,8 +29,9 @@ def start_jax(args) -> None:
 
 
 def prepare(args):
-    """(config, manager, method, step_fn, opt_state, start step, mesh, run key): everything up to
-    the first step, checked, with the state restored from --ckpt-dir when it holds this run."""
+    """(config, manager, method, step_fn, start step, mesh, run key): everything up to the first
+    step, checked, with the state (`method.params`, `method.opt_state`) restored from --ckpt-dir
+    when it holds this run."""
     import jax
 
     from tunix_nb import parallel, train
@@ -54,9 +55,9 @@ def prepare(args):
     step_fn = train.make_step(method.objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh,
                               grad_accum=config.training.grad_accum)
     run_key = jax.random.key(config.seed)
-    method.params, opt_state, start = resume(manager, args, method.params, optimizer.init(method.params),
-                                             run_key, mesh)
-    return config, manager, method, step_fn, opt_state, start, mesh, run_key
+    method.params, method.opt_state, start = resume(manager, args, method.params, optimizer.init(method.params),
+                                                    run_key, mesh)
+    return config, manager, method, step_fn, start, mesh, run_key
 
 
 def main(argv=None) -> int:
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     from tunix_nb import rewards
 
     try:
-        config, manager, method, step_fn, opt_state, start, mesh, run_key = prepare(args)
+        config, manager, method, step_fn, start, mesh, run_key = prepare(args)
     except FlagError as err:
         usage.error(str(err))
     except RunError as err:
@@ -81,8 +82,7 @@ def main(argv=None) -> int:
         return 2
     trackers = open_trackers(args, start)
     try:
-        params, step = train_with_saves(args, config, method, step_fn, opt_state, start, manager, trackers,
-                                        mesh, run_key)
+        params, step = train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key)
     except rewards.RewardError as err:  # a reward function went wrong mid-run: its message names it
         print(f"error: --rewards / --reward-funcs: {err}. The checkpoints saved so far are kept.", file=sys.stderr)
         return 2

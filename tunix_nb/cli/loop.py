@@ -48,9 +48,12 @@ def make_eval_loss(method: Method, batch_size: int, mesh):
     return eval_loss
 
 
-def train_with_saves(args, config, method, step_fn, opt_state, start, manager, trackers, mesh, run_key):
-    """Train from `start` to --stop-after or --steps, saving every --save-every steps and evaluating
-    every --eval-every steps; -> (params, step)."""
+def train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key):
+    """Train `method`'s state from `start` to --stop-after or --steps, saving every --save-every
+    steps and evaluating every --eval-every steps; -> (params, step).
+
+    The state is placed on the devices once, here, and handed to the loop chunk after chunk:
+    nothing else holds it, so it lives once and the step's donation frees each step's input."""
     import jax
 
     from tunix_nb import checkpoint
@@ -66,7 +69,8 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, t
             trackers.log(record)
 
     rollout_fn = None if method.make_rollout is None else method.make_rollout(args.parallel, mesh)
-    params, step = method.params, start
+    params, opt_state = place_once(args, method, step_fn, mesh)
+    step = start
     stop = config.steps if args.stop_after is None else args.stop_after
     while step < stop:  # run to the next save (or eval) point, save (in the background), repeat
         chunk = min(args.save_every - step % args.save_every, stop - step,
@@ -91,6 +95,21 @@ def train_with_saves(args, config, method, step_fn, opt_state, start, manager, t
     return params, step
 
 
+def place_once(args, method, step_fn, mesh):
+    """(params, opt_state) taken from `method`, placed for the step with the frozen weights and
+    the reference (put back on `method`), all without copies: the loop gets them as they lie.
+    Under pmap `train.run` replicates each chunk's state (every device holds a replica anyway)."""
+    from tunix_nb import train
+
+    params, opt_state = method.take_state()
+    if args.parallel == "pmap":
+        return params, opt_state
+    place = train.Placement(step_fn, args.parallel, keep_placement=mesh is not None, caller="the command")
+    params, opt_state, (method.frozen, method.reference) = place.state(
+        params, opt_state, (method.frozen, method.reference), copy=False)
+    return params, opt_state
+
+
 def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, step, chunk, log, mesh):
     """`chunk` steps from `step`: -> (params, opt_state)."""
     from tunix_nb import train
@@ -99,7 +118,8 @@ def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, s
     # placed, and every process saves its own shards of it
     common = dict(steps=chunk, start_step=step, parallel_mode=args.parallel,
                   progress=sys.stderr.isatty() and distributed.is_main_process(), on_step=log,
-                  desc=f"{config.command} {step}->{step + chunk}", keep_placement=mesh is not None)
+                  desc=f"{config.command} {step}->{step + chunk}", keep_placement=mesh is not None,
+                  hand_over=True)
     if rollout_fn is None:
         params, opt_state, _ = train.run(step_fn, params, opt_state, batch_source(method, config, mesh),
                                          frozen=method.frozen, **common)

@@ -37,6 +37,14 @@ class Method:
     # set in `prepare`); and the objective of the unpacked eval rows where `objective` wants packed ones
     packing: object = None
     eval_objective: object = None
+    # the optimizer's state (set in `prepare`, with `params` restored from --ckpt-dir where it holds this run)
+    opt_state: object = None
+
+    def take_state(self):
+        """(params, opt_state), keeping no reference here: the loop's are then the only ones, so
+        the training state lives once on the devices and the donating step frees each step's input."""
+        state, self.params, self.opt_state = (self.params, self.opt_state), None, None
+        return state
 
 
 def build_method(config: RunConfig, *, with_eval: bool = False) -> Method:
@@ -87,6 +95,9 @@ def _dpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method
 
 
 def _grpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Method:
+    import jax
+    import jax.numpy as jnp
+
     from tunix_nb import lora
 
     t, options = trainable(config, graphdef, params), config.method  # the SFT checkpoint stays as the reference
@@ -100,17 +111,20 @@ def _grpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Metho
                                beta=options.beta, kl_estimator=options.kl_estimator,
                                aggregation=options.aggregation, compute_dtype=dtype, **chunks_of(config))
 
+    graphdef, is_lora = t.graphdef, t.lora  # the closure keeps no reference to t's starting params
+
     def make_rollout(parallel_mode, mesh):
         rollout_fn = grpo.make_rollout(
-            t.graphdef, examples, reward_set, batch_size=config.batch_size, group_size=options.group_size,
+            graphdef, examples, reward_set, batch_size=config.batch_size, group_size=options.group_size,
             seed=config.seed, estimator=options.advantage, num_iterations=options.num_iterations,
             beta=options.beta, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
             compute_dtype=dtype, parallel_mode=parallel_mode, mesh=mesh, tokenizer=tokenizer, rows=rows,
             **chunks_of(config))
         # with LoRA the reference is the base itself: no second copy of the weights
-        return lora.rollout(rollout_fn, with_reference=options.beta > 0) if t.lora else rollout_fn
+        return lora.rollout(rollout_fn, with_reference=options.beta > 0) if is_lora else rollout_fn
 
-    reference = t.params if options.beta > 0 and not t.lora else None
+    # a copy: the step donates the policy's arrays, which the reference must outlive
+    reference = jax.tree.map(jnp.copy, t.params) if options.beta > 0 and not t.lora else None
     rows = training_arrays(config, tokenizer, examples=examples) if rows is None else rows
     return Method(t.graphdef, t.params, rows, t.objective(objective),
                   frozen=t.frozen(), make_rollout=make_rollout, reference=reference, exportable=t.exportable,

@@ -40,11 +40,17 @@ class Trainable:
 
         return lora.combine(lora.switched_off(self.params), self.base) if self.lora else self.params
 
-    def exportable(self, params):
-        """(graphdef, params) of the plain model: with LoRA, the adapters merged into the base."""
+    @property
+    def exportable(self):
+        """params -> (graphdef, params) of the plain model: with LoRA, the adapters merged into the base.
+        It keeps no reference to this Trainable, whose `params` (the starting state) the training
+        command must not keep alive beside the state it trains."""
         from tunix_nb import lora
 
-        return lora.merge(self.graphdef, params, self.base, alpha=self.alpha) if self.lora else (self.graphdef, params)
+        graphdef, base, alpha = self.graphdef, self.base, self.alpha
+        if base is None:
+            return lambda params: (graphdef, params)
+        return lambda params: lora.merge(graphdef, params, base, alpha=alpha)
 
 
 def trainable(config: RunConfig, graphdef, params) -> Trainable:

@@ -8,8 +8,8 @@ Nothing here knows which method it runs. `python -m tunix_nb.train` is the comma
 (`tunix_nb.cli`).
 """
 
-from tunix_nb.train.loop import run, run_on_policy
+from tunix_nb.train.loop import Placement, run, run_on_policy
 from tunix_nb.train.optimizer import OptimizerConfig, make_optimizer
 from tunix_nb.train.step import PARALLEL_MODES, MeshStep, make_step
 
-__all__ = ["PARALLEL_MODES", "MeshStep", "OptimizerConfig", "make_optimizer", "make_step", "run", "run_on_policy"]
+__all__ = ["PARALLEL_MODES", "MeshStep", "Placement", "OptimizerConfig", "make_optimizer", "make_step", "run", "run_on_policy"]

@@ -21,7 +21,8 @@ from tunix_nb.train.step import PARALLEL_MODES
 def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: int, start_step: int = 0,
         parallel_mode: str = "jit", frozen=None, desc: str = "train", progress: bool = True,
         on_step: Callable[[int, dict], None] | None = None,
-        eval_fn: Callable[[object], dict] | None = None, eval_every: int = 0, keep_placement: bool = False):
+        eval_fn: Callable[[object], dict] | None = None, eval_every: int = 0, keep_placement: bool = False,
+        hand_over: bool = False):
     """Run `steps` steps from `start_step`; returns (params, opt_state, history).
 
     `batch_fn(step)` gives the step's batch rows that this process loads: the whole
@@ -39,9 +40,14 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     `on_step(step, record)` gets every step's record, in order, one step late: while step
     k + 1 runs (`StepLog`), or at once at an eval step and after the last step. A
     non-finite loss raises FloatingPointError naming its step, before any eval of it.
+
+    The state is copied when placed, so that a donating step cannot delete the caller's
+    arrays; `hand_over=True` is for a caller that gives them up (the training command):
+    arrays already placed are used as they are, so the state lives once, and a donating
+    step deletes them.
     """
     place = Placement(step_fn, parallel_mode, keep_placement, caller="run()")
-    params, opt_state, frozen = place.state(params, opt_state, frozen)
+    params, opt_state, frozen = place.state(params, opt_state, frozen, copy=not hand_over)
 
     with StepLog(place.metrics, on_step, tqdm(total=steps, desc=desc, disable=not progress)) as log:
         for step in range(start_step, start_step + steps):
@@ -149,14 +155,22 @@ class Placement:
         self.mesh = (getattr(step_fn, "mesh", None) or parallel.make_mesh()) if self.on_mesh else None
         self.n_devices = jax.local_device_count() if parallel_mode == "pmap" else 1
 
-    def state(self, params, opt_state, frozen=None):
-        """(params, opt_state, frozen) as new arrays, placed as the strategy wants them."""
+    def state(self, params, opt_state, frozen=None, *, copy: bool = True):
+        """(params, opt_state, frozen) placed as the strategy wants them: as new arrays, or with
+        `copy=False` (the caller hands them over) as they are where they lie so already.
+
+        On one device ("jit") the state is committed to the device it is on: `optimizer.init`
+        leaves some leaves uncommitted, and the step's outputs are committed, so a step fed the
+        mix would compile again at its second call."""
         if self.parallel_mode == "pmap":
             return parallel.replicate((params, opt_state, frozen), self.n_devices)
         if self.on_mesh:
-            return parallel.place_state((params, opt_state, frozen), self.mesh, self.parallel_mode)
+            return parallel.place_state((params, opt_state, frozen), self.mesh, self.parallel_mode, copy=copy)
         # copies made without a compiled program (jnp.copy compiles and dispatches one per leaf)
-        params, opt_state = jax.device_put((params, opt_state), may_alias=False)
+        device = _device_of((params, opt_state))
+        params, opt_state = jax.device_put((params, opt_state), device, may_alias=False if copy else None)
+        if not copy and frozen is not None:
+            frozen = jax.device_put(frozen, device)
         return params, opt_state, frozen
 
     def batch(self, batch):
@@ -179,6 +193,12 @@ class Placement:
         return parallel.gather(tree) if self.on_mesh else tree
 
 
+def _device_of(tree):
+    """The device the state's first array is on (an uncommitted one's: the default device)."""
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return next(iter(arrays[0].devices())) if arrays else jax.local_devices()[0]
+
+
 @jax.jit
 def _first_replica(tree):
     """[1, ...] -> [...] for every leaf: one compiled program, where eager indexing compiles
@@ -190,7 +210,7 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
                   num_iterations: int = 1, parallel_mode: str = "jit", reference=None, frozen=None,
                   desc: str = "rl",
                   progress: bool = True, on_step: Callable[[int, dict], None] | None = None,
-                  keep_placement: bool = False):
+                  keep_placement: bool = False, hand_over: bool = False):
     """On-policy RL (GRPO): every step samples a batch with the current policy, then
     makes `num_iterations` updates on it. Returns (params, opt_state, history).
 
@@ -207,12 +227,12 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
     One record per step: the rollout's metrics, the updates' metrics averaged over the
     μ updates, and "time/rollout_s" and "time/update_s": wall seconds of the rollout
     (sampling, scoring, rewards, to host) and of the μ updates (until the new params
-    are ready). Placement and the returned state are as in `run`.
+    are ready). Placement, `hand_over` and the returned state are as in `run`.
     """
     if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
         raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations!r}.")
     place = Placement(step_fn, parallel_mode, keep_placement, caller="run_on_policy()")
-    params, opt_state, (reference, frozen) = place.state(params, opt_state, (reference, frozen))
+    params, opt_state, (reference, frozen) = place.state(params, opt_state, (reference, frozen), copy=not hand_over)
     extra = () if frozen is None else (frozen,)
 
     bar = tqdm(total=steps, desc=desc, disable=not progress)
