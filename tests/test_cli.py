@@ -8,6 +8,7 @@ JAX compilation cache, which changes how long a run takes, not what it computes.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -258,3 +259,26 @@ def test_length_normalized_dpo_runs_and_is_part_of_the_run_config(tmp_path, caps
     assert checkpoint.load_meta(tmp_path / "ipo")["config"]["length_normalize"] is True
     assert cli_module.main(run) == 2
     assert "(length_normalize: saved True, given False)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum, code, after_step", [(signal.SIGTERM, 143, 37), (signal.SIGINT, 130, 113)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_the_step_in_flight_and_resumes_bitwise(cli, env, tmp_path, reference, signum, code,
+                                                                    after_step):
+    """A preemption notice (SIGTERM) or Ctrl-C (SIGINT) off the save interval: the run saves the step
+    in flight, not the last --save-every step, says so in one line, and resumes to the same bits."""
+    ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    argv = [*RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
+    stopped = preempt.run_and_signal(argv, metrics_file=metrics, signum=signum, after_step=after_step, env=env)
+    assert stopped["returncode"] == code, stopped["stderr"][-2000:]
+    saved = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    print(f"{signal.Signals(signum).name} after step {stopped['signalled_after']}: saved step {saved}")
+    # the step in flight (the metrics file lags a step or two), not the last --save-every step before it
+    assert stopped["signalled_after"] <= saved <= stopped["signalled_after"] + 3
+    assert f"Stopped by {signal.Signals(signum).name} after step {saved} of 240: saved step {saved}" in stopped["stdout"]
+    assert "Traceback" not in stopped["stderr"] and not list(ckpt.glob(f"*{preempt.TMP_SUFFIX}*"))
+    resumed = cli(*argv)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming from the checkpoint at step {saved}" in resumed.stdout
+    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
+    assert metrics.read_text() == reference[1].read_text()

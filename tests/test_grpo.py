@@ -14,6 +14,7 @@ equal to 1.8e-7. The tests check both.
 """
 
 import json
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -368,5 +369,34 @@ def test_cli_grpo_killed_mid_run_resumes_bitwise(tmp_path, tiny_sft):
                                   when="between_saves", after_step=6, env=env, timeout=300)
     assert killed["killed"] and killed["step"] < 24, killed
     assert "Resuming from the checkpoint" in run(cut, tmp_path / "cut.jsonl").stdout
+    assert compare.bitwise_equal(checkpoint.load_params(whole), checkpoint.load_params(cut))
+    assert without_times(tmp_path / "whole.jsonl") == without_times(tmp_path / "cut.jsonl")
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_cli_grpo_saves_the_step_a_stop_signal_finds_and_resumes_bitwise(tmp_path, tiny_sft, capsys, monkeypatch,
+                                                                         signum, code):
+    """The signal comes as step 1 is logged, off the save interval (2): step 1 is saved, the run
+    exits 128 + signum, and the resumed run ends on the uninterrupted run's bits."""
+    from tunix_nb import tracking
+    from tunix_nb.cli.stop_signals import StopRequest
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert cli_module.main(grpo_argv(tiny_sft, whole, tmp_path / "whole.jsonl")) == 0
+    log = tracking.Trackers.log
+
+    def log_and_signal(self, record):
+        log(self, record)
+        if record["step"] == 1:
+            handler = signal.getsignal(signum)
+            assert isinstance(getattr(handler, "__self__", None), StopRequest), "the run's handler is not installed"
+            signal.raise_signal(signum)
+
+    monkeypatch.setattr(tracking.Trackers, "log", log_and_signal)
+    assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == code
+    assert f"Stopped by {signal.Signals(signum).name} after step 1 of 4: saved step 1" in capsys.readouterr().out
+    monkeypatch.setattr(tracking.Trackers, "log", log)
+    assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == 0
+    assert "Resuming from the checkpoint at step 1" in capsys.readouterr().out
     assert compare.bitwise_equal(checkpoint.load_params(whole), checkpoint.load_params(cut))
     assert without_times(tmp_path / "whole.jsonl") == without_times(tmp_path / "cut.jsonl")

@@ -93,3 +93,36 @@ def run_and_kill(argv, *, ckpt_dir, metrics_file, when: str, after_step: int = 1
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         stderr.close()
+
+
+def run_and_signal(argv, *, metrics_file, signum: int = signal.SIGTERM, after_step: int = 1,
+                   timeout: float = 120.0, env=None, cwd=None) -> dict:
+    """Run `python -m tunix_nb.train *argv` and send it `signum` (SIGTERM: a preemption notice;
+    SIGINT: Ctrl-C) once the metrics file shows step `after_step`: the run saves the step in
+    flight and exits with 128 + signum. `argv` must include the --metrics-file given here.
+
+    Returns {"returncode", "signalled_after": the step logged when the signal went, "stdout", "stderr"}.
+    """
+    metrics_file = Path(cwd) / metrics_file if cwd is not None else Path(metrics_file)
+    out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")  # files: a full pipe stalls
+    proc = subprocess.Popen([sys.executable, "-m", "tunix_nb.train", *argv], cwd=cwd,
+                            env=devices.child_env() if env is None else env, stdout=out, stderr=err, text=True)
+    deadline, signalled_after = time.monotonic() + timeout, None
+    try:
+        while proc.poll() is None and signalled_after is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not reach step {after_step} within {timeout} s")
+            step = _last_logged_step(metrics_file)
+            if step >= after_step:
+                os.kill(proc.pid, signum)
+                signalled_after = step
+            time.sleep(0.001)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        out.seek(0), err.seek(0)
+        return {"returncode": proc.returncode, "signalled_after": signalled_after, "stdout": out.read(),
+                "stderr": err.read()}
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        out.close(), err.close()

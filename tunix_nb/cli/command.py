@@ -13,6 +13,7 @@ from tunix_nb.cli.flags import FlagError, RunError, build_parser, check_flags, c
 from tunix_nb.cli.loop import open_trackers, packing_of, train_with_saves
 from tunix_nb.cli.methods import build_method
 from tunix_nb.cli.run_config import check_devices, resolve_config
+from tunix_nb.cli.stop_signals import StopRequest
 from tunix_nb.distributed import print_once
 from tunix_nb.train.config import MESH_CHOICES
 
@@ -82,12 +83,21 @@ def main(argv=None) -> int:
         return 2
     trackers = open_trackers(args, start)
     try:
-        params, step = train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key)
+        # SIGTERM / SIGINT: the step in flight is saved, then the run stops (one process: several would
+        # have to agree on the step first)
+        with StopRequest(enabled=jax.process_count() == 1) as stop:
+            params, step = train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key,
+                                            stop)
     except rewards.RewardError as err:  # a reward function went wrong mid-run: its message names it
         print(f"error: --rewards / --reward-funcs: {err}. The checkpoints saved so far are kept.", file=sys.stderr)
         return 2
     finally:
         trackers.close()
+    if stop.requested() and step < config.steps:
+        saved = f"saved step {step} in {args.ckpt_dir}" if manager is not None else "no --ckpt-dir, nothing saved"
+        print_once(f"Stopped by {stop.name} after step {step} of {config.steps}: {saved}; run the same command "
+                   "to resume.")
+        return stop.exit_code
     if step < config.steps:
         print_once(f"Stopped after step {step} of {config.steps} (--stop-after); run the same command "
                    "without it to resume.")

@@ -48,12 +48,14 @@ def make_eval_loss(method: Method, batch_size: int, mesh):
     return eval_loss
 
 
-def train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key):
+def train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key, stop=None):
     """Train `method`'s state from `start` to --stop-after or --steps, saving every --save-every
     steps and evaluating every --eval-every steps; -> (params, step).
 
     The state is placed on the devices once, here, and handed to the loop chunk after chunk:
-    nothing else holds it, so it lives once and the step's donation frees each step's input."""
+    nothing else holds it, so it lives once and the step's donation frees each step's input.
+    `stop` (a `StopRequest`): once it is requested, the step in flight is the last, and it is
+    saved and committed before this returns."""
     import jax
 
     from tunix_nb import checkpoint
@@ -71,22 +73,25 @@ def train_with_saves(args, config, method, step_fn, start, manager, trackers, me
     rollout_fn = None if method.make_rollout is None else method.make_rollout(args.parallel, mesh)
     params, opt_state = place_once(args, method, step_fn, mesh)
     step = start
-    stop = config.steps if args.stop_after is None else args.stop_after
-    while step < stop:  # run to the next save (or eval) point, save (in the background), repeat
-        chunk = min(args.save_every - step % args.save_every, stop - step,
-                    args.eval_every - step % args.eval_every if evaluate else stop)
-        params, opt_state = _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, step, chunk,
-                                         log, mesh)
-        step += chunk
+    stop_at = config.steps if args.stop_after is None else args.stop_after
+    while step < stop_at:  # run to the next save (or eval) point, save (in the background), repeat
+        chunk = min(args.save_every - step % args.save_every, stop_at - step,
+                    args.eval_every - step % args.eval_every if evaluate else stop_at)
+        params, opt_state, done = _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, step,
+                                               chunk, log, mesh, stop)
+        step += done
+        stopping = stop is not None and stop.requested()
         state = dict(params=params, opt_state=opt_state, rng=jax.random.fold_in(run_key, step),
                      meta={"config": config.record(), "seed": config.seed})
         if manager is not None:
-            checkpoint.save(manager, step, force=step == stop, **state)
+            checkpoint.save(manager, step, force=step == stop_at or stopping, **state)
         if step in pending:
             record = {**pending.pop(step), "eval/loss": evaluate(params)}
             trackers.log(record)
             if best is not None:
                 best.offer(step, record["eval/loss"], **state)
+        if stopping:
+            break
     if manager is not None:
         manager.wait_until_finished()
         manager.close()
@@ -110,8 +115,8 @@ def place_once(args, method, step_fn, mesh):
     return params, opt_state
 
 
-def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, step, chunk, log, mesh):
-    """`chunk` steps from `step`: -> (params, opt_state)."""
+def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, step, chunk, log, mesh, stop):
+    """`chunk` steps from `step`, fewer if `stop` is requested: -> (params, opt_state, steps run)."""
     from tunix_nb import train
 
     # under pmap train.run hands back one (unreplicated) copy; on a mesh the state stays
@@ -119,15 +124,15 @@ def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, s
     common = dict(steps=chunk, start_step=step, parallel_mode=args.parallel,
                   progress=sys.stderr.isatty() and distributed.is_main_process(), on_step=log,
                   desc=f"{config.command} {step}->{step + chunk}", keep_placement=mesh is not None,
-                  hand_over=True)
+                  hand_over=True, should_stop=None if stop is None else stop.requested)
     if rollout_fn is None:
-        params, opt_state, _ = train.run(step_fn, params, opt_state, batch_source(method, config, mesh),
-                                         frozen=method.frozen, **common)
+        params, opt_state, history = train.run(step_fn, params, opt_state, batch_source(method, config, mesh),
+                                               frozen=method.frozen, **common)
     else:  # on-policy: each step samples its batch with the current params
-        params, opt_state, _ = train.run_on_policy(step_fn, params, opt_state, rollout_fn,
-                                                   num_iterations=config.num_iterations, reference=method.reference,
-                                                   frozen=method.frozen, **common)
-    return params, opt_state
+        params, opt_state, history = train.run_on_policy(step_fn, params, opt_state, rollout_fn,
+                                                         num_iterations=config.num_iterations,
+                                                         reference=method.reference, frozen=method.frozen, **common)
+    return params, opt_state, len(history)
 
 
 def batch_source(method: Method, config: RunConfig, mesh):

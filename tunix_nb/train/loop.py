@@ -22,7 +22,7 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
         parallel_mode: str = "jit", frozen=None, desc: str = "train", progress: bool = True,
         on_step: Callable[[int, dict], None] | None = None,
         eval_fn: Callable[[object], dict] | None = None, eval_every: int = 0, keep_placement: bool = False,
-        hand_over: bool = False):
+        hand_over: bool = False, should_stop: Callable[[], bool] | None = None):
     """Run `steps` steps from `start_step`; returns (params, opt_state, history).
 
     `batch_fn(step)` gives the step's batch rows that this process loads: the whole
@@ -45,6 +45,9 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     arrays; `hand_over=True` is for a caller that gives them up (the training command):
     arrays already placed are used as they are, so the state lives once, and a donating
     step deletes them.
+
+    `should_stop()`, asked after each step is queued, ends the run after that step when
+    True (a stop signal): `history` then holds the steps that ran.
     """
     place = Placement(step_fn, parallel_mode, keep_placement, caller="run()")
     params, opt_state, frozen = place.state(params, opt_state, frozen, copy=not hand_over)
@@ -55,6 +58,8 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
             log.push(step + 1, metrics)  # logs the step before, whose metrics are ready or nearly so
             if eval_fn is not None and eval_every and (step + 1) % eval_every == 0:
                 log.flush(extra=lambda: eval_fn(place.on_one_device(params)))
+            if should_stop is not None and should_stop():
+                break
     if not keep_placement:
         params, opt_state = place.on_one_device((params, opt_state))
     return params, opt_state, log.history
@@ -210,7 +215,8 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
                   num_iterations: int = 1, parallel_mode: str = "jit", reference=None, frozen=None,
                   desc: str = "rl",
                   progress: bool = True, on_step: Callable[[int, dict], None] | None = None,
-                  keep_placement: bool = False, hand_over: bool = False):
+                  keep_placement: bool = False, hand_over: bool = False,
+                  should_stop: Callable[[], bool] | None = None):
     """On-policy RL (GRPO): every step samples a batch with the current policy, then
     makes `num_iterations` updates on it. Returns (params, opt_state, history).
 
@@ -227,7 +233,7 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
     One record per step: the rollout's metrics, the updates' metrics averaged over the
     μ updates, and "time/rollout_s" and "time/update_s": wall seconds of the rollout
     (sampling, scoring, rewards, to host) and of the μ updates (until the new params
-    are ready). Placement, `hand_over` and the returned state are as in `run`.
+    are ready). Placement, `hand_over`, `should_stop` and the returned state are as in `run`.
     """
     if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
         raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations!r}.")
@@ -256,6 +262,8 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
                       "time/rollout_s": sampled - started, "time/update_s": updated - sampled}
             _check_finite(record)
             log.log(record)
+            if should_stop is not None and should_stop():
+                break
     if not keep_placement:
         params, opt_state = place.on_one_device((params, opt_state))
     return params, opt_state, log.history
