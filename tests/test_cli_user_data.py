@@ -5,6 +5,7 @@ tiny Qwen3 fixture), and the errors that name the fix."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -213,3 +214,15 @@ def test_killed_between_saves_resumes_bitwise_on_your_model_and_data(chat_files,
     assert _run([*base, "--ckpt-dir", ckpt, "--metrics-file", metrics]) == 0
     assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(whole))
     assert metrics.read_text() == (whole / "m.jsonl").read_text()
+
+
+def test_exported_files_are_readable_by_other_users(lora_run):
+    """A server running as another user reads the exports: the weights as every other file
+    (safetensors alone would write them 0600)."""
+    out, _ = lora_run
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.relative_to(out).as_posix(): oct(p.stat().st_mode & 0o777)
+             for folder in ("hf", "adapter") for p in (out / folder).rglob("*") if p.is_file()}
+    assert {"hf/model.safetensors", "adapter/adapter_model.safetensors"} <= set(modes)
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

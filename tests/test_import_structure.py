@@ -22,7 +22,7 @@ MAX_LINES = 600
 LONG_MODULE_ALLOWLIST: dict[str, str] = {}
 # The training command's stages, in the order data flows: a module imports only its own
 # stage's modules and earlier ones (`command` wires them all together).
-CLI_STAGES = (("flags",), ("run_config",), ("models", "rows", "methods"), ("checkpoints", "loop", "stop_signals"), ("export",),
+CLI_STAGES = (("flags", "output_paths"), ("run_config",), ("models", "rows", "methods"), ("checkpoints", "loop", "stop_signals"), ("export",),
               ("command",))
 
 

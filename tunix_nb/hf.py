@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -506,6 +507,15 @@ def shard(tensors: dict[str, np.ndarray], max_shard_size) -> list[dict[str, np.n
     return shards + [current]
 
 
+def save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """`tensors` in one .safetensors file, readable as the process's other files are: safetensors
+    creates its files with mode 0600, which a server running as another user cannot read."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_tensors(out: Path, tensors: dict[str, np.ndarray], max_shard_size=None) -> list[str]:
     """model.safetensors, or shards with model.safetensors.index.json; returns the file names.
 
@@ -516,12 +526,12 @@ def write_tensors(out: Path, tensors: dict[str, np.ndarray], max_shard_size=None
         stale.unlink(missing_ok=True)
     shards = [tensors] if max_shard_size is None else shard(tensors, max_shard_size)
     if len(shards) == 1:
-        save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
+        save_safetensors(tensors, out / SINGLE_FILE)
         return [SINGLE_FILE]
     weight_map, names = {}, []
     for index, part in enumerate(shards, start=1):
         names.append(SHARD_FILE.format(index=index, count=len(shards)))
-        save_file(part, out / names[-1], metadata={"format": "pt"})
+        save_safetensors(part, out / names[-1])
         weight_map.update({name: names[-1] for name in part})
     index_json = {"metadata": {"total_parameters": sum(t.size for t in tensors.values()),
                                "total_size": sum(t.nbytes for t in tensors.values())},

@@ -27,7 +27,6 @@ from pathlib import Path
 import jax
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from tunix_nb import hf, lora, model, parallel
 
@@ -143,7 +142,7 @@ def save_adapter(out_dir, adapters, config: model.ModelConfig, *, alpha: float, 
                             revision=revision)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_tensors(layers, dtype), out / WEIGHTS_FILE, metadata={"format": "pt"})
+    hf.save_safetensors(adapter_tensors(layers, dtype), out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
     return out
 

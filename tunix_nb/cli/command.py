@@ -12,6 +12,7 @@ from tunix_nb.cli.export import export_run
 from tunix_nb.cli.flags import FlagError, RunError, build_parser, check_flags, command_parser, parse_args
 from tunix_nb.cli.loop import open_trackers, packing_of, train_with_saves
 from tunix_nb.cli.methods import build_method
+from tunix_nb.cli.output_paths import check_output_paths
 from tunix_nb.cli.run_config import check_devices, resolve_config
 from tunix_nb.cli.stop_signals import StopRequest
 from tunix_nb.distributed import print_once
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     usage = command_parser(parser, args.command)
     try:
         check_flags(args)
+        check_output_paths(args)
     except FlagError as err:
         usage.error(str(err))
     start_jax(args)

@@ -1,0 +1,33 @@
+"""What would fail minutes into a run fails at its start, in one line naming the flag and the
+fix: folders the command cannot write in. In-process (`cli.main`), before JAX is asked for anything."""
+
+from pathlib import Path
+
+import pytest
+
+from tunix_nb import cli
+
+TINY = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "4"]
+UNWRITABLE = "/sys/tunix_nb_test"  # sysfs takes no new files, even from root
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--ckpt-dir", f"{UNWRITABLE}/ckpt"),
+    ("--metrics-file", f"{UNWRITABLE}/metrics.jsonl"),
+    ("--export-params", f"{UNWRITABLE}/export"),
+])
+def test_an_output_folder_that_cannot_be_written_is_refused_at_the_start(capsys, flag, value):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([*TINY, flag, value])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert f"error: {flag} {Path(value).parent if flag == '--metrics-file' else value}: cannot write in /sys" in err
+    assert "choose a folder you can write to" in err and "Traceback" not in err
+
+
+def test_a_file_where_a_folder_would_go_is_refused(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(SystemExit):
+        cli.main([*TINY, "--ckpt-dir", str(tmp_path / "taken" / "ckpt")])
+    assert f"--ckpt-dir: {tmp_path / 'taken'} is a file" in capsys.readouterr().err
+    assert not (tmp_path / "taken" / "ckpt").exists()
