@@ -31,3 +31,19 @@ def test_a_file_where_a_folder_would_go_is_refused(tmp_path, capsys):
         cli.main([*TINY, "--ckpt-dir", str(tmp_path / "taken" / "ckpt")])
     assert f"--ckpt-dir: {tmp_path / 'taken'} is a file" in capsys.readouterr().err
     assert not (tmp_path / "taken" / "ckpt").exists()
+
+
+def test_devices_that_jit_would_leave_idle_are_refused(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([*TINY, "--devices", "3"])
+    assert stopped.value.code == 2
+    assert "--devices 3 with --parallel jit would train on one of them; add --parallel dp" in capsys.readouterr().err
+
+
+def test_generate_on_an_orbax_checkpoint_says_to_export_it_first(capsys):
+    from tunix_nb import data, generate
+
+    assert generate.main(["--model", str(data.DATA_DIR / "sft_student"), "--prompt", "2+2="]) == 2
+    err = capsys.readouterr().err
+    assert "config.json does not exist" in err and "holds Orbax checkpoints" in err
+    assert "again with --export-hf OUT, which resumes at its last step" in err

@@ -422,3 +422,22 @@ def test_grpo_rollout_from_user_rows_equals_the_shipped_path(tmp_path):
         assert np.array_equal(mine[0][k], shipped[0][k]), k
     with pytest.raises(ValueError, match="got 8 encoded prompts for 7 examples"):
         grpo.make_rollout(graphdef, examples[:7], reward_set, rows=encoded.arrays, **kwargs)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n"], ids=["empty", "blank lines"])
+def test_an_empty_file_is_named_as_empty(tmp_path, content):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=r"train\.jsonl: the file is empty; give it the examples"):
+        user_data.read_table(path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_byte_that_is_not_utf8_is_named_with_its_line_and_column(tmp_path, suffix):
+    path = tmp_path / f"train{suffix}"
+    path.write_bytes(b'[{"prompt": "a", "completion": "b"},\n {"prompt": "caf\xe9", "completion": "x"}]\n'
+                     if suffix == ".json" else b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9"}\n')
+    column = 17 if suffix == ".json" else 16
+    with pytest.raises(DataError, match=rf"train\{suffix} line 2: byte 0xe9 at column {column} is not UTF-8; "
+                                        "save the file as UTF-8"):
+        user_data.read_table(path)

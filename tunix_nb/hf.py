@@ -108,9 +108,20 @@ def kit_names(abstract_params) -> list[str]:
 def read_config(directory) -> dict:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
+        hint = (f" {directory} holds Orbax checkpoints (a --ckpt-dir or --export-params folder): run the training "
+                "command that wrote it again with --export-hf OUT, which resumes at its last step and writes a "
+                "Hugging Face folder there, and pass OUT." if _is_orbax(Path(directory)) else "")
         raise CheckpointError(f"{path} does not exist: a Hugging Face checkpoint directory holds "
-                              "config.json beside its *.safetensors files.")
+                              f"config.json beside its *.safetensors files.{hint}")
     return json.loads(path.read_text())
+
+
+def _is_orbax(directory: Path) -> bool:
+    """Whether `directory` is an Orbax checkpoint folder (numbered steps) or one of its steps."""
+    marker = "_CHECKPOINT_METADATA"
+    if (directory / marker).is_file():
+        return True
+    return directory.is_dir() and any(p.name.isdigit() and (p / marker).is_file() for p in directory.iterdir())
 
 
 def family_of(hf_config: dict) -> str:

@@ -111,6 +111,7 @@ def read_table(source: str | os.PathLike, *, split: str = "train", revision: str
                             "(TRL's formats), or a Hugging Face Hub dataset id.")
         if not path.is_file():
             raise DataError(f"{source}: file not found; check the path.")
+        _check_text(path)
         try:
             ds = datasets.load_dataset(SUFFIXES[suffix], data_files=str(path), split="train")
         except Exception as err:  # pyarrow's messages name neither line nor field: find them
@@ -128,6 +129,22 @@ def read_table(source: str | os.PathLike, *, split: str = "train", revision: str
                         "HF_HUB_OFFLINE=1), or pass a local .jsonl, .json or .parquet file.") from None
     return Table(str(source), list(ds.column_names), _plain_rows(ds), [f"{source} row {i}" for i in
                                                                        range(1, len(ds) + 1)])
+
+
+def _check_text(path: Path) -> None:
+    """A DataError for an empty file, or (JSON, JSON Lines) one that is not UTF-8 text, naming
+    the line and column: `datasets` would say only "StopIteration" or a codec error without either."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise DataError(f"{path}: the file is empty; give it the examples (one JSON object per line for .jsonl).")
+    if path.suffix.lower() == ".parquet":
+        return
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line, line_start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
+        raise DataError(f"{path} line {line}: byte 0x{data[err.start]:02x} at column {err.start - line_start + 1} "
+                        "is not UTF-8; save the file as UTF-8.") from None
 
 
 def _plain_rows(ds) -> list[dict]:

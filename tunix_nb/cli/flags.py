@@ -146,6 +146,9 @@ def check_flags(args) -> None:
         raise FlagError("on-policy distillation (--lmbda, --seq-kd) runs in one process (its batches are sampled "
                         "on one host); drop --distributed and the process flags, and use --devices with any "
                         "--parallel")
+    if (getattr(args, "devices", None) or 1) > 1 and args.parallel == "jit":
+        raise FlagError(f"--devices {args.devices} with --parallel jit would train on one of them; add --parallel "
+                        f"dp, fsdp, shard_map or pmap to use all {args.devices}, or drop --devices")
     if args.distributed and args.parallel not in MESH_CHOICES:
         raise FlagError(f"--parallel {args.parallel} runs within one process; with several processes use "
                         f"one of {', '.join(MESH_CHOICES)}")
