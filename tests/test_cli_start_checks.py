@@ -47,3 +47,32 @@ def test_generate_on_an_orbax_checkpoint_says_to_export_it_first(capsys):
     err = capsys.readouterr().err
     assert "config.json does not exist" in err and "holds Orbax checkpoints" in err
     assert "again with --export-hf OUT, which resumes at its last step" in err
+
+
+@pytest.mark.parametrize("keep_bytes", [100, -1000], ids=["cut in the header", "cut in the data"])
+def test_a_truncated_weight_file_is_named_with_the_fix(tmp_path, capsys, keep_bytes):
+    import shutil
+
+    model = tmp_path / "qwen3"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hf" / "qwen3", model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:keep_bytes])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["sft", "--model", str(model), "--batch-size", "8", "--steps", "2"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    assert f"{weights}: not a whole safetensors file" in err and "download (or copy) it again" in err
+
+
+def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(tmp_path, capsys):
+    import json
+
+    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # max_position_embeddings 128
+    rows = [{"prompt": "Count: " + " ".join(map(str, range(200))), "completion": " done"}] * 8
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["sft", "--model", str(qwen3), "--train-file", str(train), "--batch-size", "8", "--steps", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--train-file {train}: its longest row needs" in err and "past the model's max_position_embeddings 128" in err
+    assert cli.main([*argv, "--max-length", "128"]) == 0

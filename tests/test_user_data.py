@@ -441,3 +441,13 @@ def test_a_byte_that_is_not_utf8_is_named_with_its_line_and_column(tmp_path, suf
     with pytest.raises(DataError, match=rf"train\{suffix} line 2: byte 0xe9 at column {column} is not UTF-8; "
                                         "save the file as UTF-8"):
         user_data.read_table(path)
+
+
+def test_a_role_templates_do_not_know_is_refused_with_the_mapping(tmp_path):
+    """ShareGPT's 'human' / 'gpt' would reach the template as they are, and a 'gpt' answer would get no loss."""
+    path = write(tmp_path / "chat.jsonl", [{"messages": [user("hi"), assistant("hello")]},
+                                          {"messages": [{"role": "human", "content": "hi"},
+                                                        {"role": "gpt", "content": "hello"}]}])
+    with pytest.raises(DataError, match=r"chat\.jsonl line 2: field 'messages' message 1 has role 'human'; roles are "
+                                        r"'system', 'user', 'assistant', 'tool'\. Map the others .*'gpt' is 'assistant'"):
+        user_data.sft_arrays(path, chatml)

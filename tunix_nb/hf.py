@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from tunix_nb import model, parallel
@@ -343,6 +343,19 @@ def source_fingerprint(directory) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """`safe_open(path, "np")`, with an error that names the file when it is not a whole
+    safetensors file (a download or copy cut short): safetensors' own names none."""
+    try:
+        handle = safe_open(path, "np")
+    except SafetensorError as err:
+        raise CheckpointError(f"{path}: not a whole safetensors file ({err}); it is truncated or damaged: "
+                              "download (or copy) it again.") from None
+    with handle as f:
+        yield f
+
+
 def tensor_files(directory: Path) -> dict[str, Path]:
     """Each tensor's name -> the safetensors file that holds it."""
     index = directory / INDEX_FILE
@@ -353,7 +366,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
     if not single.is_file():
         raise CheckpointError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}. "
                               "(PyTorch *.bin checkpoints: convert them with transformers first.)")
-    with safe_open(single, "np") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -370,7 +383,7 @@ class TensorReader(contextlib.ExitStack):
         if file not in self._handles:
             if not file.is_file():
                 raise CheckpointError(f"{INDEX_FILE} puts {name!r} in {file.name}, which does not exist.")
-            self._handles[file] = self.enter_context(safe_open(file, "np"))
+            self._handles[file] = self.enter_context(open_safetensors(file))
         return self._handles[file].get_slice(name)
 
 

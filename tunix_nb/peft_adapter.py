@@ -26,7 +26,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
 
 from tunix_nb import hf, lora, model, parallel
 
@@ -182,7 +181,7 @@ def read_factors(directory) -> dict[str, dict[str, np.ndarray]]:
         raise AdapterError(f"{path} does not exist (PyTorch adapter_model.bin files: load and re-save "
                            "them with PEFT to get safetensors).")
     layers: dict[str, dict[str, np.ndarray]] = {}
-    with safe_open(path, "np") as f:
+    with hf.open_safetensors(path) as f:
         for key in f.keys():
             match = KEY.match(key)
             if not match:

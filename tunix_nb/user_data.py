@@ -244,6 +244,10 @@ def _check_field(label: str, row: dict, field: str, conversational: bool | None)
     return isinstance(value, list)
 
 
+# The roles chat templates know (OpenAI's and TRL's); any other would reach the template unchecked.
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def _check_messages(label: str, field: str, messages: list) -> None:
     if not messages:
         raise DataError(f"{label}: field {field!r} is an empty list of messages.")
@@ -251,6 +255,10 @@ def _check_messages(label: str, field: str, messages: list) -> None:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise DataError(f"{label}: field {field!r} message {i} must be {{'role': str, 'content': str}}, "
                             f"got {_short(m)}.")
+        if m["role"] not in ROLES:
+            raise DataError(f"{label}: field {field!r} message {i} has role {m['role']!r}; roles are "
+                            f"{', '.join(map(repr, ROLES))}. Map the others before training (ShareGPT's "
+                            "'human' is 'user', 'gpt' is 'assistant'): the loss falls on 'assistant' turns only.")
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{label}: field {field!r} message {i} is an empty assistant turn; give it content.")
 

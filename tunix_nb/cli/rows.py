@@ -35,10 +35,26 @@ def encoded_user_data(config: RunConfig, tokenizer, split: str = "train"):
         encoded = encode(source, tokenizer, max_length=config.data.max_length)
     except (data.DataError, FileNotFoundError, ValueError) as err:
         raise RunError(f"--{'train' if split == 'train' else 'eval'}-file: {err}")
+    _check_positions(config, encoded.arrays, f"--{'train' if split == 'train' else 'eval'}-file {source}")
     if encoded.n_cut:
         print_once(f"{source}: {encoded.n_cut} rows lost the beginning of their prompt to fit --max-length "
                    f"{config.data.max_length}")
     return encoded
+
+
+def _check_positions(config: RunConfig, arrays: dict, what: str) -> None:
+    """RunError when a row needs positions past the model's max_position_embeddings (a Hugging
+    Face model's config.json), which it was never trained on: --max-length cuts rows to fit."""
+    if config.model_dir is None:
+        return
+    from tunix_nb import hf
+
+    limit = hf.read_config(config.model_dir).get("max_position_embeddings")
+    longest = max(int(mask.sum(axis=1).max()) for key, mask in arrays.items() if key.endswith("attention_mask"))
+    longest += getattr(config.method, "max_new_tokens", 0) or 0  # grpo: the completions follow the prompt
+    if limit is not None and longest > limit:
+        raise RunError(f"{what}: its longest row needs {longest} positions, past the model's max_position_embeddings "
+                       f"{limit} (config.json); pass --max-length {limit} or less to cut the rows to fit")
 
 
 def training_arrays(config: RunConfig, tokenizer, split: str = "train", examples=None) -> dict:
