@@ -76,3 +76,13 @@ def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(
     err = capsys.readouterr().err
     assert f"--train-file {train}: its longest row needs" in err and "past the model's max_position_embeddings 128" in err
     assert cli.main([*argv, "--max-length", "128"]) == 0
+
+
+def test_a_metrics_file_of_another_run_is_kept_not_cut(tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"
+    earlier = "".join(f'{{"step": {k}, "loss": 1.0}}\n' for k in range(1, 301))
+    metrics.write_text(earlier)
+    assert cli.main([*TINY, "--metrics-file", str(metrics)]) == 2
+    assert f"--metrics-file {metrics} holds 300 rows of another run, and this run starts at step 0" in \
+        capsys.readouterr().err
+    assert metrics.read_text() == earlier

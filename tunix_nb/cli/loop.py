@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tunix_nb import distributed, tracking
 from tunix_nb.cli.checkpoints import BestCheckpoint
+from tunix_nb.cli.flags import RunError
 from tunix_nb.cli.methods import Method
 from tunix_nb.cli.run_config import RunConfig
 
@@ -23,6 +24,19 @@ def open_trackers(args, start: int) -> tracking.Trackers:
     logging_dir = args.logging_dir or (str(Path(args.ckpt_dir) / "tensorboard") if args.ckpt_dir else None)
     return tracking.open_trackers(args.report_to, start=start, metrics_file=args.metrics_file,
                                   logging_dir=logging_dir)
+
+
+def check_metrics_file(args, start: int) -> None:
+    """RunError when a run that starts at step 0 would cut --metrics-file's rows of another run
+    (a resumed run keeps the rows up to its step and appends, as the trackers do)."""
+    path = Path(args.metrics_file) if args.metrics_file else None
+    if start > 0 or path is None or not path.is_file():
+        return
+    rows = tracking.read_jsonl_upto(path, float("inf"))
+    if rows:
+        raise RunError(f"--metrics-file {path} holds {len(rows)} rows of another run, and this run starts at step 0 "
+                       "(nothing to resume in --ckpt-dir); pass a new file, or move that one aside. Nothing was "
+                       "changed.")
 
 
 def make_eval_loss(method: Method, batch_size: int, mesh):

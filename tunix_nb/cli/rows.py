@@ -50,7 +50,8 @@ def _check_positions(config: RunConfig, arrays: dict, what: str) -> None:
     from tunix_nb import hf
 
     limit = hf.read_config(config.model_dir).get("max_position_embeddings")
-    longest = max(int(mask.sum(axis=1).max()) for key, mask in arrays.items() if key.endswith("attention_mask"))
+    masks = [mask for key, mask in arrays.items() if key.endswith(("attention_mask", "prompt_mask"))]  # grpo: prompts
+    longest = max(int(mask.sum(axis=1).max()) for mask in masks)
     longest += getattr(config.method, "max_new_tokens", 0) or 0  # grpo: the completions follow the prompt
     if limit is not None and longest > limit:
         raise RunError(f"{what}: its longest row needs {longest} positions, past the model's max_position_embeddings "
