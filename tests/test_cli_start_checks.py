@@ -1,6 +1,7 @@
 """What would fail minutes into a run fails at its start, in one line naming the flag and the
 fix: folders the command cannot write in. In-process (`cli.main`), before JAX is asked for anything."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,11 +79,13 @@ def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(
     assert cli.main([*argv, "--max-length", "128"]) == 0
 
 
-def test_a_metrics_file_of_another_run_is_kept_not_cut(tmp_path, capsys):
+def test_a_metrics_file_of_another_run_is_moved_aside_not_cut(tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
     earlier = "".join(f'{{"step": {k}, "loss": 1.0}}\n' for k in range(1, 301))
     metrics.write_text(earlier)
-    assert cli.main([*TINY, "--metrics-file", str(metrics)]) == 2
-    assert f"--metrics-file {metrics} holds 300 rows of another run, and this run starts at step 0" in \
-        capsys.readouterr().err
-    assert metrics.read_text() == earlier
+    assert cli.main([*TINY, "--metrics-file", str(metrics)]) == 0
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.before-")]
+    assert aside.read_text() == earlier  # nothing lost
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    assert f"held 300 rows of an earlier run; this run starts at step 0, so they were moved to {aside.name}" in \
+        capsys.readouterr().out

@@ -10,7 +10,7 @@ from tunix_nb import devices, distributed
 from tunix_nb.cli.checkpoints import open_checkpoints, resume
 from tunix_nb.cli.export import export_run
 from tunix_nb.cli.flags import FlagError, RunError, build_parser, check_flags, command_parser, parse_args
-from tunix_nb.cli.loop import check_metrics_file, open_trackers, packing_of, train_with_saves
+from tunix_nb.cli.loop import keep_metrics_file, open_trackers, packing_of, train_with_saves
 from tunix_nb.cli.methods import build_method
 from tunix_nb.cli.output_paths import check_output_paths
 from tunix_nb.cli.run_config import check_devices, resolve_config
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     try:
         config, manager, method, step_fn, start, mesh, run_key = prepare(args)
-        check_metrics_file(args, start)
+        keep_metrics_file(args, start)
     except FlagError as err:
         usage.error(str(err))
     except RunError as err:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 from tunix_nb import distributed, tracking
 from tunix_nb.cli.checkpoints import BestCheckpoint
-from tunix_nb.cli.flags import RunError
 from tunix_nb.cli.methods import Method
 from tunix_nb.cli.run_config import RunConfig
+from tunix_nb.distributed import print_once
 
 
 def open_trackers(args, start: int) -> tracking.Trackers:
@@ -26,17 +27,19 @@ def open_trackers(args, start: int) -> tracking.Trackers:
                                   logging_dir=logging_dir)
 
 
-def check_metrics_file(args, start: int) -> None:
-    """RunError when a run that starts at step 0 would cut --metrics-file's rows of another run
-    (a resumed run keeps the rows up to its step and appends, as the trackers do)."""
+def keep_metrics_file(args, start: int) -> None:
+    """A run that starts at step 0 moves --metrics-file's rows aside rather than cutting them: they
+    may be another run's (or a restart's own, killed before its first save), so nothing is lost.
+    A resumed run keeps the rows up to its step and appends, as the trackers do."""
     path = Path(args.metrics_file) if args.metrics_file else None
-    if start > 0 or path is None or not path.is_file():
+    if start > 0 or path is None or not path.is_file() or not distributed.is_main_process():
         return
     rows = tracking.read_jsonl_upto(path, float("inf"))
     if rows:
-        raise RunError(f"--metrics-file {path} holds {len(rows)} rows of another run, and this run starts at step 0 "
-                       "(nothing to resume in --ckpt-dir); pass a new file, or move that one aside. Nothing was "
-                       "changed.")
+        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        path.rename(aside)
+        print_once(f"--metrics-file {path} held {len(rows)} rows of an earlier run; this run starts at step 0, so "
+                   f"they were moved to {aside.name} beside it")
 
 
 def make_eval_loss(method: Method, batch_size: int, mesh):
