@@ -133,18 +133,24 @@ def read_table(source: str | os.PathLike, *, split: str = "train", revision: str
 
 def _check_text(path: Path) -> None:
     """A DataError for an empty file, or (JSON, JSON Lines) one that is not UTF-8 text, naming
-    the line and column: `datasets` would say only "StopIteration" or a codec error without either."""
-    data = path.read_bytes()
-    if not data.strip():
+    the line and column: `datasets` would say only "StopIteration" or a codec error without either.
+    Read a line at a time, so a large file is not held in memory twice."""
+    text = path.suffix.lower() != ".parquet"
+    empty = True
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            empty = empty and not line.strip()
+            if not text:
+                if not empty:
+                    return
+                continue
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path} line {n}: byte 0x{line[err.start]:02x} at column {err.start + 1} is not "
+                                "UTF-8; save the file as UTF-8.") from None
+    if empty:
         raise DataError(f"{path}: the file is empty; give it the examples (one JSON object per line for .jsonl).")
-    if path.suffix.lower() == ".parquet":
-        return
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line, line_start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
-        raise DataError(f"{path} line {line}: byte 0x{data[err.start]:02x} at column {err.start - line_start + 1} "
-                        "is not UTF-8; save the file as UTF-8.") from None
 
 
 def _plain_rows(ds) -> list[dict]:
