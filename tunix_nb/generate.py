@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tunix_nb import hf, sampler
-from tunix_nb.tokenizer import ByteTokenizer, HFTokenizer
+from tunix_nb.tokenizer import ByteTokenizer, HFTokenizer, template_kwargs_from_json
 
 
 def load_tokenizer(directory: Path, vocab_size: int):
@@ -51,14 +51,21 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def complete(model_dir, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-             top_k: int | None = None, top_p: float | None = None, dtype: str = "float32") -> str:
-    """The model's completion of `prompt` (its text up to the first eos)."""
+             top_k: int | None = None, top_p: float | None = None, dtype: str = "float32",
+             template_kwargs: dict | None = None) -> str:
+    """The model's completion of `prompt` (its text up to the first eos). `template_kwargs`
+    reach the chat template, as in training (--chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"--model {model_dir}: no such folder. Pass a folder written by "
                                 "hf.save_pretrained (--export-hf) or a Hugging Face checkpoint folder.")
     graphdef, params, config = hf.load_pretrained(directory, dtype=dtype)
     tokenizer = load_tokenizer(directory, config.vocab_size)
+    if template_kwargs:
+        if not isinstance(tokenizer, HFTokenizer):
+            raise ValueError(f"--chat-template-kwargs: {directory} has the byte tokenizer, which has no chat "
+                             "template to pass them to; drop the flag")
+        tokenizer = tokenizer.with_template_kwargs(template_kwargs)
     ids = prompt_ids(tokenizer, prompt)
     if not ids:
         raise ValueError("The prompt is empty and the model has no chat template or bos to start from.")
@@ -82,14 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (used when temperature > 0)")
     parser.add_argument("--dtype", default="float32", choices=hf.DTYPES, help="the parameters' dtype")
+    parser.add_argument("--chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                        help="variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                             "for Qwen3: give what the model was trained with")
     return parser
+
+
+def _template_kwargs(text: str) -> dict:
+    try:
+        return template_kwargs_from_json(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err))
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         text = complete(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        seed=args.seed, top_k=args.top_k, top_p=args.top_p, dtype=args.dtype)
+                        seed=args.seed, top_k=args.top_k, top_p=args.top_p, dtype=args.dtype,
+                        template_kwargs=args.chat_template_kwargs)
     except (FileNotFoundError, ValueError) as err:  # hf.CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2

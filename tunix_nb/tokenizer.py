@@ -8,6 +8,7 @@ checkpoint comes with its own tokenizer: `HFTokenizer.from_dir` reads it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import operator
@@ -119,6 +120,7 @@ class HFTokenizer:
         self.pad_id = self._id(pad_token) if pad_token is not None else self.eos_id
         self.bos_id = self._id(bos_token) if bos_token is not None else self.pad_id
         self.chat_template = chat_template
+        self.template_kwargs = {}  # passed to every rendering: see with_template_kwargs
 
     @classmethod
     def from_dir(cls, directory) -> "HFTokenizer":
@@ -172,18 +174,46 @@ class HFTokenizer:
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = False, **template_kwargs) -> str:
         """The model's chat template rendered as transformers renders it (Jinja2, sandboxed).
 
-        `template_kwargs` reach the template as variables (e.g. Qwen3's `enable_thinking`).
+        `template_kwargs` (over `self.template_kwargs`) reach the template as variables, as
+        transformers' `apply_chat_template(..., **kwargs)` passes them (e.g. Qwen3's `enable_thinking`).
         A `{% generation %}` block (transformers' marker for assistant masks) renders its body.
         """
         if self.chat_template is None:
             raise ValueError("This tokenizer has no chat_template; build the prompt text yourself.")
         return _compiled_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **template_kwargs})
+            **{**self.special_tokens, **self.template_kwargs, **template_kwargs})
+
+    def with_template_kwargs(self, template_kwargs: dict | None) -> "HFTokenizer":
+        """A copy that passes `template_kwargs` to every rendering (what --chat-template-kwargs sets),
+        so the rows, the prompts and generation all render the template alike."""
+        if not template_kwargs:
+            return self
+        if self.chat_template is None:
+            raise ValueError(f"chat template kwargs {json.dumps(template_kwargs)} given, but this tokenizer has "
+                             "no chat template to pass them to; drop them, or use a checkpoint whose tokenizer "
+                             "has one.")
+        rendering = copy.copy(self)  # shares the tokenizer; only the kwargs differ
+        rendering.template_kwargs = {**self.template_kwargs, **template_kwargs}
+        return rendering
 
     def __repr__(self) -> str:
         return (f"HFTokenizer(vocab_size={self.vocab_size}, pad_id={self.pad_id}, "
                 f"bos_id={self.bos_id}, eos_id={self.eos_id})")
+
+
+def template_kwargs_from_json(text: str) -> dict:
+    """--chat-template-kwargs' value: a JSON object of template variables, e.g.
+    '{"enable_thinking": false}' (Qwen3). ValueError naming the fix otherwise."""
+    example = 'e.g. \'{"enable_thinking": false}\''
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{text!r} is not valid JSON ({err.msg} at column {err.colno}); give a JSON object, "
+                         f"{example} (JSON writes false, true and null in lower case, strings in double quotes)")
+    if not isinstance(value, dict):
+        raise ValueError(f"{text!r} is a JSON {type(value).__name__}, not an object; give a JSON object, {example}")
+    return value
 
 
 @functools.lru_cache(maxsize=8)

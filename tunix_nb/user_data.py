@@ -23,6 +23,9 @@ tokens up to and including the last eos the template writes there (its end-of-tu
 the template writes after it (ChatML's newline) is in the row but gets no loss. The spans
 come from rendering prefixes of the conversation, as TRL finds its prompt and assistant
 tokens: the prompt with `add_generation_prompt=True` must render as the start of the whole.
+`template_kwargs` reach the template (transformers' `apply_chat_template(**kwargs)`): with
+Qwen3's, `enable_thinking=False` puts the empty `<think>` block into the generation prompt,
+so it is prompt; left on, the block the template writes into the last reply gets loss.
 
 Truncation (`max_length`: most tokens in a row, as TRL's `max_length`): a prompt that does
 not fit loses its BEGINNING (a leading bos is kept), so the end of the prompt, next to the
@@ -303,7 +306,11 @@ def _boundary(tokenizer, label: str, text: str, ids: list[int], prefix_text: str
         raise DataError(f"{label}: the chat template renders the start of this conversation differently from "
                         "(or splits a token across) the start of the whole (a template that rewrites earlier "
                         "turns, or a token spanning a turn boundary), so the kit cannot find which tokens are "
-                        "the assistant's.")
+                        "the assistant's. Qwen3's template does this to a row with several assistant turns (it "
+                        "writes a <think> block only into turns after the last user message): make one row per "
+                        "assistant turn, as prompt (the turns before it) and completion (that turn); and to a "
+                        "turn with reasoning under enable_thinking false, whose prompt ends in an empty <think> "
+                        "block: drop the reasoning or the setting.")
     return len(prefix_ids)
 
 
@@ -402,6 +409,19 @@ def _fit(label: str, what: str, row: Row, max_length: int | None, keep_start: bo
     return cut_prompt(row, excess), True
 
 
+def _rendering(tokenizer, template_kwargs: dict | None):
+    """`tokenizer`, passing `template_kwargs` to every chat-template rendering (Qwen3's enable_thinking)."""
+    if not template_kwargs:
+        return tokenizer
+    if not hasattr(tokenizer, "with_template_kwargs"):
+        raise DataError(f"chat template kwargs {json.dumps(template_kwargs)} given, but the "
+                        f"{type(tokenizer).__name__} has no chat template to pass them to; drop them.")
+    try:
+        return tokenizer.with_template_kwargs(template_kwargs)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+
+
 def _check_max_length(max_length: int | None) -> None:
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                    or max_length < 2):
@@ -443,13 +463,15 @@ def _each_row(table: Table):
 
 
 def sft_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *, max_length: int | None = None,
-               seq_len: int | None = None) -> Encoded:
+               seq_len: int | None = None, template_kwargs: dict | None = None) -> Encoded:
     """SFT rows from `source` (prompt/completion, messages or text): the arrays of
     `data.sft_arrays` (`inputs_NxL`, `targets_NxL`, `loss_mask_NxL`, `attention_mask_NxL`).
 
-    L = `seq_len`, or by default the longest row (after truncation) less one.
+    L = `seq_len`, or by default the longest row (after truncation) less one. `template_kwargs`
+    reach the chat template (e.g. `{"enable_thinking": False}` for Qwen3).
     """
     _check_max_length(max_length)
+    tokenizer = _rendering(tokenizer, template_kwargs)
     table = source if isinstance(source, Table) else read_table(source)
     fmt = detect_format(table, "sft")
     rows, n_cut, conversational = [], 0, fmt == "messages"
@@ -505,10 +527,12 @@ def _fit_pair(label: str, chosen: Row, rejected: Row, max_length: int | None) ->
 
 
 def preference_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *,
-                      max_length: int | None = None, seq_len: int | None = None) -> Encoded:
+                      max_length: int | None = None, seq_len: int | None = None,
+                      template_kwargs: dict | None = None) -> Encoded:
     """DPO pairs from `source`: the arrays of `data.preference_arrays` (`chosen_inputs_NxL`, ...,
     `rejected_attention_mask_NxL`), both sides padded to one L, the prompt cut alike on both."""
     _check_max_length(max_length)
+    tokenizer = _rendering(tokenizer, template_kwargs)
     table = source if isinstance(source, Table) else read_table(source)
     fmt = detect_format(table, "dpo")
     chosen_rows, rejected_rows, n_cut, conversational = [], [], 0, False
@@ -544,7 +568,8 @@ def _prompt_row(tokenizer, label: str, prompt) -> Row:
 
 
 def prompt_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *,
-                  max_length: int | None = None, prompt_len: int | None = None) -> Encoded:
+                  max_length: int | None = None, prompt_len: int | None = None,
+                  template_kwargs: dict | None = None) -> Encoded:
     """GRPO prompts from `source`: the rows of `sampler.prompt_rows` (`prompt_tokens_NxP` and
     `prompt_mask_NxP` LEFT-padded, `index_N`), and `examples`: the rows as read (`prompt` as
     in the file, every other column for the reward functions); for `grpo.make_rollout(...,
@@ -553,6 +578,7 @@ def prompt_arrays(source: str | os.PathLike | Table, tokenizer: Tokenizer, *,
     `max_length` bounds the prompt's tokens (TRL's `max_prompt_length`); P = `prompt_len`,
     or by default the longest prompt kept."""
     _check_max_length(max_length)
+    tokenizer = _rendering(tokenizer, template_kwargs)
     table = source if isinstance(source, Table) else read_table(source)
     fmt = detect_format(table, "grpo")
     rows, n_cut, conversational = [], 0, False

@@ -161,6 +161,9 @@ def _check_data_and_export_flags(args) -> None:
         raise FlagError("--eval-every with --train-file needs --eval-file: the split to score, in the same format")
     if args.max_length is not None and not args.train_file:
         raise FlagError("--max-length applies to --train-file's rows (the shipped task has its own length)")
+    if args.chat_template_kwargs is not None and not args.train_file:
+        raise FlagError("--chat-template-kwargs applies to --train-file's conversations (the shipped task has no "
+                        "chat template)")
     if args.command == "distill" and args.train_file and (args.lmbda or args.seq_kd):
         raise FlagError("on-policy distillation (--lmbda, --seq-kd) samples from the shipped task's prompts; with "
                         "--train-file use offline distillation (--lmbda 0, no --seq-kd)")

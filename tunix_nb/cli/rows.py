@@ -31,8 +31,9 @@ def encoded_user_data(config: RunConfig, tokenizer, split: str = "train"):
 
     source = user_file(config, split)
     encode = user_data.ENCODERS["dpo" if config.command == "dpo" else "grpo" if config.command == "grpo" else "sft"]
+    template_kwargs = _template_kwargs(config, tokenizer)
     try:
-        encoded = encode(source, tokenizer, max_length=config.data.max_length)
+        encoded = encode(source, tokenizer, max_length=config.data.max_length, template_kwargs=template_kwargs)
     except (data.DataError, FileNotFoundError, ValueError) as err:
         raise RunError(f"--{'train' if split == 'train' else 'eval'}-file: {err}")
     _check_positions(config, encoded.arrays, f"--{'train' if split == 'train' else 'eval'}-file {source}")
@@ -40,6 +41,18 @@ def encoded_user_data(config: RunConfig, tokenizer, split: str = "train"):
         print_once(f"{source}: {encoded.n_cut} rows lost the beginning of their prompt to fit --max-length "
                    f"{config.data.max_length}")
     return encoded
+
+
+def _template_kwargs(config: RunConfig, tokenizer) -> dict | None:
+    """--chat-template-kwargs as a dict (None: not given); refused for a tokenizer without a template."""
+    import json
+
+    if config.data.chat_template_kwargs is None:
+        return None
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RunError(f"--chat-template-kwargs {config.data.chat_template_kwargs}: the model's tokenizer has no chat "
+                       "template to pass them to; drop the flag")
+    return json.loads(config.data.chat_template_kwargs)
 
 
 def _check_positions(config: RunConfig, arrays: dict, what: str) -> None:

@@ -33,6 +33,19 @@ def _trackers(text: str) -> str:
     return ",".join(names)
 
 
+def _template_kwargs(text: str) -> str:
+    """--chat-template-kwargs: a JSON object, kept as canonical JSON text (recorded in checkpoints)."""
+    import argparse
+    import json
+
+    from tunix_nb.tokenizer import template_kwargs_from_json
+
+    try:
+        return json.dumps(template_kwargs_from_json(text), sort_keys=True)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSourceConfig:
     """Which model trains, and the dtype its parameters are kept in."""
@@ -62,6 +75,12 @@ class DataConfig:
                                     "(grpo: per prompt). A prompt that does not fit loses its beginning; the "
                                     "completion is never cut; a row whose completion alone does not fit is an "
                                     "error (default: the longest row)")
+    chat_template_kwargs: str | None = option(type=_template_kwargs, metavar="JSON",
+                                              help="with --train-file: variables for the chat template, as a JSON "
+                                                   "object, passed when rows and prompts are rendered (transformers' "
+                                                   "apply_chat_template(**kwargs)), e.g. '{\"enable_thinking\": "
+                                                   "false}' for Qwen3: what you will generate with (docs/cli.md: "
+                                                   "what the loss covers)")
     packing: bool = option(False, switch=True,
                            help="sft, distill: lay each step's examples end to end in as few rows as they fit "
                                 "(tunix_nb.packing), each attending only to itself with positions restarting "
