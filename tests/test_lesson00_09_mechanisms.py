@@ -90,7 +90,10 @@ def test_merge_of_split_computes_the_same_logits_as_the_kit():
     kit_graphdef, kit_params = model.split(model.make_model("tiny", seed=0))
     assert kit_graphdef == graphdef
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(kit_params), jax.tree.leaves(params)))
-    assert np.array_equal(model.apply(kit_graphdef, kit_params, tokens_BxL, mask_BxL), original)
+    # eagerly, model.apply runs the merge and call as one jitted program: compare with the same
+    merged_jit = jax.jit(lambda p, t, m: nnx.merge(graphdef, p)(t, m))(params, tokens_BxL, mask_BxL)
+    assert np.array_equal(model.apply(kit_graphdef, kit_params, tokens_BxL, mask_BxL), merged_jit)
+    np.testing.assert_allclose(merged_jit, original, rtol=0, atol=1e-5)
     # merge reads the params it is given, not a copy kept in the graphdef
     shifted = jax.tree.map(lambda x: x + 1.0, params)
     assert not np.allclose(nnx.merge(graphdef, shifted)(tokens_BxL, mask_BxL), original)

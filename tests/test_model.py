@@ -165,3 +165,39 @@ def test_grouped_query_attention_equals_repeating_the_key_value_heads():
             getattr(m_block.attn, name).kernel[...] = getattr(g_block.attn, name).kernel[...]
     tokens = jnp.array([[1, 40, 41, 42, 43, 44]])
     np.testing.assert_allclose(gqa(tokens), mha(tokens), atol=1e-5)
+
+
+def test_an_eager_forward_pass_is_one_program_and_a_traced_one_joins_its_caller(tiny):
+    """Outside a trace, `apply` and `hidden_states` lower one program per shape instead of one
+    per operation (on a TPU each lowering costs a compile); inside a jitted function they
+    add nothing of their own: the caller's program is the only one."""
+    from jax import monitoring
+
+    lowered = []
+
+    def on_event(event, seconds, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        check_one_program_each(tiny, lowered)
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+
+
+def check_one_program_each(tiny, lowered):
+    graphdef, params = tiny
+    tokens_BxL = jnp.arange(3 * 11, dtype=jnp.int32).reshape(3, 11) % 200 + 3  # shapes no other test uses
+    for forward in (M.apply, M.hidden_states):
+        lowered.clear()
+        eager = forward(graphdef, params, tokens_BxL)
+        assert len(lowered) == 1, f"{forward.__name__}: {len(lowered)} programs"
+        lowered.clear()
+        traced = jax.jit(lambda p, t: forward(graphdef, p, t) * 1.0)(params, tokens_BxL)
+        assert len(lowered) == 1
+        np.testing.assert_array_equal(traced, eager)
+    # the same pass, one operation at a time (how it ran before): the same logits to float32 rounding
+    with jax.disable_jit():
+        one_at_a_time = M.apply(graphdef, params, tokens_BxL)
+    np.testing.assert_allclose(one_at_a_time, M.apply(graphdef, params, tokens_BxL), rtol=0, atol=1e-5)
