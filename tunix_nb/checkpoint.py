@@ -431,6 +431,11 @@ def load_params(ckpt_dir, step: int | None = None):
     return newest_readable(ckpt_dir, _read_params_and_meta, step=step)[0]
 
 
+def load_params_and_meta(ckpt_dir, step: int | None = None):
+    """(`load_params`, `load_meta`) of one and the same step (the newest readable by default)."""
+    return newest_readable(ckpt_dir, _read_params_and_meta, step=step)
+
+
 def load_meta(ckpt_dir, step: int | None = None) -> dict:
     """The JSON `meta` item of a checkpoint (the newest readable one by default)."""
     return newest_readable(ckpt_dir, _read_meta, step=step)

@@ -11,14 +11,33 @@ from tunix_nb.distributed import print_once
 
 
 def export_run(args, config: RunConfig, method: Method, params, step: int) -> None:
-    """Every export the flags ask for, from the trained `params` (with LoRA: the adapters)."""
+    """Every export the flags ask for, from the trained `params` (with LoRA: the adapters), or with
+    --export-from best from the best checkpoint by eval loss."""
     from tunix_nb import checkpoint
 
+    if not (args.export_params or args.export_hf or args.export_adapter):
+        return
+    if args.export_from == "best":
+        params, step = best_params(args.ckpt_dir, params)
     if args.export_params:  # with LoRA: the adapters merged into the base, a plain model
         plain = method.exportable(params)[1] if method.exportable is not None else params
         checkpoint.export_params(plain, args.export_params, step=step,
                                  meta={"model": config.model, "config": config.record()})
     export_folders(args, config, method, params)
+
+
+def best_params(ckpt_dir, params_like):
+    """(params, step) of <ckpt_dir>/best, in the structure of `params_like` (with LoRA: the adapters)."""
+    from pathlib import Path
+
+    import jax
+
+    from tunix_nb import checkpoint
+
+    best = Path(ckpt_dir) / "best"
+    pure, meta = checkpoint.load_params_and_meta(best)
+    print_once(f"--export-from best: step {meta['step']}, eval/loss {meta['eval_loss']:.4f} ({best})")
+    return jax.device_put(checkpoint.params_into(params_like, pure)), meta["step"]
 
 
 def export_folders(args, config: RunConfig, method: Method, params) -> None:

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from tunix_nb import config_flags, distill, dpo, gkd, grpo, lora, losses, sft
-from tunix_nb.train.config import MESH_CHOICES, SHARED_OPTIONS
+from tunix_nb.train.config import DEFAULT_STEPS, MESH_CHOICES, SHARED_OPTIONS
 
 PROG = "python -m tunix_nb.train"
 DESCRIPTION = "`python -m tunix_nb.train`: SFT, distillation, DPO and GRPO from the command line, resumable."
@@ -124,13 +124,13 @@ class FlagError(RunError):
 
 
 def check_flags(args) -> None:
-    """Flag combinations argparse cannot check on its own (FlagError); fills in the warmup."""
-    if args.warmup_steps is None:
-        args.warmup_steps = min(20, args.steps // 10)
-    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
-        raise FlagError(f"--warmup-steps {args.warmup_steps} must be >= 0 and below --steps {args.steps}")
-    if args.stop_after is not None and args.stop_after > args.steps:
-        raise FlagError(f"--stop-after {args.stop_after} is beyond --steps {args.steps}")
+    """Flag combinations argparse cannot check on its own (FlagError); fills in --steps' default and the
+    warmup (with --epochs both wait for the data: `check_schedule` then runs in run_config)."""
+    if args.epochs is not None and args.steps is not None:
+        raise FlagError(f"--epochs {args.epochs:g} and --steps {args.steps} both set the length of the run; give one")
+    if args.epochs is None:
+        args.steps = DEFAULT_STEPS if args.steps is None else args.steps
+        check_schedule(args)
     if args.stop_after is not None and not args.ckpt_dir:
         raise FlagError("--stop-after needs --ckpt-dir: the run saves a checkpoint there to resume from")
     _check_process_flags(args)
@@ -152,6 +152,19 @@ def check_flags(args) -> None:
     if args.distributed and args.parallel not in MESH_CHOICES:
         raise FlagError(f"--parallel {args.parallel} runs within one process; with several processes use "
                         f"one of {', '.join(MESH_CHOICES)}")
+
+
+def check_schedule(args) -> None:
+    """--warmup-steps (its default filled in) and --stop-after against --steps."""
+    if args.warmup_steps is None:
+        args.warmup_steps = min(20, args.steps // 10)
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        raise FlagError(f"--warmup-steps {args.warmup_steps} must be >= 0 and below --steps {args.steps}")
+    if args.stop_after is not None and args.stop_after > args.steps:
+        raise FlagError(f"--stop-after {args.stop_after} is beyond --steps {args.steps}")
+    if args.export_from == "best" and args.eval_every is not None and args.eval_every > args.steps:
+        raise FlagError(f"--export-from best: --eval-every {args.eval_every} is beyond --steps {args.steps}, so no "
+                        "eval would make a best checkpoint; evaluate more often")
 
 
 def _check_data_and_export_flags(args) -> None:
@@ -177,6 +190,12 @@ def _check_data_and_export_flags(args) -> None:
     if (args.export_hf or args.export_adapter) and args.distributed:
         raise FlagError("--export-hf / --export-adapter write from one process; drop them, and export the run's "
                         "final checkpoint afterwards in one process (hf.save_pretrained, peft_adapter.save_adapter)")
+    if args.export_from == "best" and not (args.eval_every and args.ckpt_dir):
+        raise FlagError("--export-from best exports <--ckpt-dir>/best, the best checkpoint by eval loss: add "
+                        "--eval-every N and --ckpt-dir (and --eval-file with --train-file)")
+    if args.export_from == "best" and not (args.export_params or args.export_hf or args.export_adapter):
+        raise FlagError("--export-from best chooses what --export-params, --export-hf or --export-adapter write: "
+                        "add one of them")
     if (args.export_dtype or args.max_shard_size) and not args.export_hf:
         raise FlagError("--export-dtype and --max-shard-size shape --export-hf's folder: add --export-hf DIR")
 

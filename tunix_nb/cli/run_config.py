@@ -13,10 +13,11 @@ import dataclasses
 from pathlib import Path
 
 from tunix_nb import config_flags, distill, gkd, lora
-from tunix_nb.cli.flags import LORA_COMMANDS, METHOD_CONFIGS, FlagError, build_parser, check_flags, parse_args
+from tunix_nb.cli.flags import (LORA_COMMANDS, METHOD_CONFIGS, FlagError, RunError, build_parser, check_flags,
+                                check_schedule, parse_args)
 from tunix_nb.gkd import GKDConfig
 from tunix_nb.lora import LoRAConfig
-from tunix_nb.train.config import DataConfig, MemoryConfig, ModelSourceConfig, TrainingConfig
+from tunix_nb.train.config import DataConfig, MemoryConfig, ModelSourceConfig, TrainingConfig, steps_for_epochs
 
 HF_MODEL = "huggingface"  # RunConfig.model of a Hugging Face checkpoint (model_sha256 says which)
 # What defines a run: resuming with other values would be a different run.
@@ -109,6 +110,8 @@ def resolve_config(args) -> RunConfig:
         chosen = devices.defaults_for()
         compute_dtype = chosen.compute_dtype
         print(f"--compute-dtype auto: {compute_dtype} ({chosen.reason})")
+    if args.epochs is not None:
+        _steps_from_epochs(args)
     training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype)
     lora_config, gkd_config = LoRAConfig(), None
     try:
@@ -131,6 +134,29 @@ def resolve_config(args) -> RunConfig:
                      lora=lora_config, gkd=gkd_config, model_dir=model_dir and str(model_dir),
                      model_sha256=model_sha256, data=data_config, data_sha256=data_hash(data_config.train_file),
                      memory=memory)
+
+
+def _steps_from_epochs(args) -> None:
+    """--epochs: `args.steps` from the number of training examples; then the schedule's checks."""
+    n_examples = count_examples(args.command, args.train_file)
+    args.steps = steps_for_epochs(args.epochs, n_examples, args.batch_size)
+    print(f"--epochs {args.epochs:g}: {args.steps} steps ({n_examples} training examples, {args.batch_size} a step)")
+    check_schedule(args)
+
+
+def count_examples(command: str, train_file: str | None) -> int:
+    """How many examples (dpo: pairs; grpo: prompts) one epoch of `command` sees: --train-file's rows,
+    or the shipped task's training split."""
+    from tunix_nb import data, user_data
+
+    if train_file is None:
+        if command == "dpo":
+            return len(data.load_preferences(data.DATA_DIR / "preferences_train.jsonl"))
+        return len(data.load_sft(data.DATA_DIR / "sft_train.jsonl"))
+    try:  # read once more when the rows are encoded; `datasets` keeps the file's Arrow copy in its cache
+        return len(user_data.read_table(train_file).rows)
+    except (data.DataError, FileNotFoundError) as err:
+        raise RunError(f"--train-file: {err}")
 
 
 def vocab_size_of(model_name: str, model_dir: str | None) -> int:

@@ -20,6 +20,7 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 PARAM_DTYPES = ("float32", "bfloat16")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # hf.EXPORT_DTYPES
 TRACKERS = ("jsonl", "tensorboard")  # tunix_nb.tracking
+EXPORT_FROM = ("last", "best")  # --export-from
 
 
 def _trackers(text: str) -> str:
@@ -89,6 +90,16 @@ class DataConfig:
                                 "multiple of the devices x --grad-accum")
 
 
+DEFAULT_STEPS = 300  # --steps without --steps or --epochs
+
+
+def steps_for_epochs(epochs: float, n_examples: int, batch_size: int) -> int:
+    """--epochs' steps: enough batches of `batch_size` to see `n_examples` `epochs` times (at least 1)."""
+    import math
+
+    return max(1, math.ceil(epochs * n_examples / batch_size - 1e-9))  # 1e-9: 2.0 x 64 / 32 is 4, not 5
+
+
 AUTO_VOCAB_CHUNK = 8192  # --vocab-chunk auto's chunk for a vocabulary larger than it (issue 27's memory rows)
 
 
@@ -144,8 +155,13 @@ class MemoryConfig:
 class TrainingConfig:
     """The optimisation and the loop: what every method's run shares."""
 
-    steps: int = option(300, type=positive_int,
-                        help="total training steps (grpo: rollouts, each followed by --num-iterations updates)")
+    steps: int | None = option(type=positive_int,
+                               help="total training steps (grpo: rollouts, each followed by --num-iterations "
+                                    f"updates) (default: {DEFAULT_STEPS}, or what --epochs makes)")
+    epochs: float | None = option(type=positive_float, run_defining=False,
+                                  help="instead of --steps: passes over the training examples (pairs for dpo, "
+                                       "prompts for grpo), steps = ceil(epochs x examples / --batch-size), said "
+                                       "on stdout; the run records the steps")
     batch_size: int = option(64, type=positive_int, help="global batch size (examples, pairs for dpo, prompts "
                              "for grpo), split over the devices")
     seed: int = option(0, type=int, help="seed of the initial params and the data order")
@@ -178,6 +194,10 @@ class CheckpointConfig:
     stop_after: int | None = option(type=positive_int, help="stop after this step, saving a checkpoint there, "
                                     "as if preempted; run the same command again (without it) to resume")
     export_params: str | None = option(help="at the end, also write a params-only checkpoint here")
+    export_from: str = option("last", choices=EXPORT_FROM, run_defining=False,
+                              help="what --export-params, --export-hf and --export-adapter write: the last "
+                                   "step's parameters, or the best checkpoint by eval loss (<--ckpt-dir>/best, "
+                                   "kept with --eval-every)")
     export_hf: str | None = option(help="at the end, write a Hugging Face checkpoint folder here (config.json, "
                                    "safetensors, the source's tokenizer files) that transformers and vLLM load; "
                                    "with LoRA/QLoRA, the adapters merged into the weights")
