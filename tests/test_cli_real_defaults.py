@@ -71,3 +71,52 @@ def jax_leaves(tree):
 ])
 def test_export_from_best_needs_an_eval_a_ckpt_dir_and_an_export(capsys, extra, message):
     assert message in _usage_error([*TINY, "--steps", "4", "--export-from", "best", *extra], capsys)
+
+
+def test_the_adapters_base_is_an_absolute_folder_peft_can_find(tmp_path, monkeypatch):
+    """--model given as a relative folder: the adapter names it absolutely, for a loader elsewhere."""
+    import shutil
+
+    shutil.copytree(QWEN3, tmp_path / "models" / "qwen3")
+    monkeypatch.chdir(tmp_path / "models")
+    argv = ["sft", "--model", "qwen3", "--lora-rank", "2", "--batch-size", "8", "--steps", "1",
+            "--export-adapter", str(tmp_path / "adapter")]
+    assert cli.main(argv) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "models" / "qwen3").resolve())
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> Path:
+    """The qwen3 fixture declaring Qwen3-0.6B's 40,960 positions."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("long") / "qwen3_40960"
+    shutil.copytree(QWEN3, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40960}))
+    return folder
+
+
+def test_max_length_defaults_for_a_real_model_and_a_run_keeps_its_recorded_value(long_context_model, tmp_path,
+                                                                                 monkeypatch, capsys):
+    import importlib
+
+    run_config = importlib.import_module("tunix_nb.cli.run_config")
+    rows = [{"prompt": f"add {a} 1", "completion": f" {a + 1}"} for a in range(8)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["sft", "--model", str(long_context_model), "--train-file", str(train), "--batch-size", "8",
+            "--steps", "2", "--ckpt-dir", str(tmp_path / "ckpt")]
+    assert cli.config_from_argv(argv).data.max_length == 1024
+    assert "--max-length default: 1024 tokens a row (the model declares 40,960 positions" in capsys.readouterr().out
+    # a run begun before the default (max_length None recorded) resumes with its own value
+    with monkeypatch.context() as before:
+        before.setattr(run_config, "default_max_length", lambda data, method, model_dir: (data, ()))
+        assert cli.main([*argv, "--stop-after", "1"]) == 0
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"--max-length: None, as the run in --ckpt-dir {tmp_path / 'ckpt'} recorded it (today's default: 1024)" in out
+    assert "Resuming from the checkpoint at step 1" in out and checkpoint.load_meta(tmp_path / "ckpt")["step"] == 2
+    # a value given as a flag is checked as before
+    assert cli.main([*argv[:-2], "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "3", "--max-length", "64"]) == 2

@@ -67,6 +67,27 @@ def open_checkpoints(args, config: RunConfig):
     return manager
 
 
+def with_recorded_defaults(args, config: RunConfig) -> RunConfig:
+    """`config` with the values default rules chose (`RunConfig.defaulted`: --max-length's default)
+    replaced by those the run in --ckpt-dir recorded, said on stdout: a run begun under another
+    default resumes as it began. Values given as flags are checked by `open_checkpoints`."""
+    from tunix_nb import checkpoint
+
+    if not (args.ckpt_dir and config.defaulted and Path(args.ckpt_dir).is_dir()):
+        return config
+    with warnings.catch_warnings():  # a damaged newest step: open_checkpoints reports it
+        warnings.simplefilter("ignore")
+        try:
+            saved = checkpoint.load_meta(args.ckpt_dir).get("config", {})
+        except (FileNotFoundError, checkpoint.DamagedCheckpointError):
+            return config
+    config, adopted = config.with_recorded(saved)
+    for name, (today, recorded) in adopted.items():
+        print_once(f"--{name.replace('_', '-')}: {recorded}, as the run in --ckpt-dir {args.ckpt_dir} recorded it "
+                   f"(today's default: {today})")
+    return config
+
+
 def resume(manager, args, params, opt_state, run_key, mesh):
     """(params, opt_state, start step): from the newest checkpoint that restores, or as given.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from tunix_nb import devices, distributed
-from tunix_nb.cli.checkpoints import open_checkpoints, resume
+from tunix_nb.cli.checkpoints import open_checkpoints, resume, with_recorded_defaults
 from tunix_nb.cli.export import export_run
 from tunix_nb.cli.flags import FlagError, RunError, build_parser, check_flags, command_parser, parse_args
 from tunix_nb.cli.loop import keep_metrics_file, open_trackers, packing_of, train_with_saves
@@ -40,6 +40,7 @@ def prepare(args):
 
     config = resolve_config(args)
     check_devices(config, args.parallel)
+    config = with_recorded_defaults(args, config)
     manager = open_checkpoints(args, config)  # checked first: a clash changes nothing
     method = build_method(config, with_eval=args.eval_every is not None)
     n_rows = len(next(iter(method.rows.values())))

@@ -57,6 +57,16 @@ def export_folders(args, config: RunConfig, method: Method, params) -> None:
         print_once(f"Wrote a Hugging Face checkpoint to {args.export_hf}")
     if args.export_adapter:
         peft_adapter.save_adapter(args.export_adapter, params, model_config, alpha=method.lora_alpha,
-                                  base_model_name_or_path=config.source.model or config.model,
+                                  base_model_name_or_path=base_model_name(config),
                                   revision=config.source.revision)
         print_once(f"Wrote a PEFT LoRA adapter to {args.export_adapter}")
+
+
+def base_model_name(config: RunConfig) -> str:
+    """What the adapter's base_model_name_or_path names, so that PEFT finds the base from anywhere: a
+    local --model folder as an absolute path (as typed, a relative one would resolve against the
+    loader's working directory), a Hub id as itself, a preset by its name."""
+    from pathlib import Path
+
+    model = config.source.model or config.model
+    return str(Path(model).resolve()) if config.model_dir is not None and Path(model).is_dir() else model

@@ -17,7 +17,8 @@ from tunix_nb.cli.flags import (LORA_COMMANDS, METHOD_CONFIGS, FlagError, RunErr
                                 check_schedule, parse_args)
 from tunix_nb.gkd import GKDConfig
 from tunix_nb.lora import LoRAConfig
-from tunix_nb.train.config import DataConfig, MemoryConfig, ModelSourceConfig, TrainingConfig, steps_for_epochs
+from tunix_nb.train.config import (DEFAULT_MAX_LENGTH, DataConfig, MemoryConfig, ModelSourceConfig, TrainingConfig,
+                                   steps_for_epochs)
 
 HF_MODEL = "huggingface"  # RunConfig.model of a Hugging Face checkpoint (model_sha256 says which)
 # What defines a run: resuming with other values would be a different run.
@@ -53,6 +54,8 @@ class RunConfig:
     data: DataConfig = DataConfig()
     data_sha256: str | None = None  # the --train-file's content hash (None: the shipped task)
     memory: MemoryConfig = MemoryConfig()
+    # run-defining fields a default rule chose, not a flag: resuming, the run's recorded value wins
+    defaulted: tuple[str, ...] = ()
 
     def record(self) -> dict:
         """The flat run config saved in checkpoints (the layout of runs before the subcommands)."""
@@ -69,6 +72,20 @@ class RunConfig:
         given = self.record()
         saved = {k: saved.get(k, OLDER_RUN_DEFAULTS.get(k)) for k in RUN_DEFINING}
         return {k: (saved[k], given[k]) for k in RUN_DEFINING if saved[k] != given[k]}
+
+    def with_recorded(self, saved: dict) -> tuple[RunConfig, dict]:
+        """(this config with each `defaulted` field set to the value a saved run config holds,
+        {field: (today's default, recorded)} for those that differed): a default that changed since
+        a run began does not make it another run."""
+        config, adopted = self, {}
+        for name in self.defaulted:
+            today, recorded = self.record()[name], saved.get(name, OLDER_RUN_DEFAULTS.get(name))
+            if recorded != today:
+                part = next(p for p in ("source", "data", "training") if hasattr(getattr(self, p), name))
+                config = dataclasses.replace(config, **{part: dataclasses.replace(getattr(config, part),
+                                                                                  **{name: recorded})})
+                adopted[name] = (today, recorded)
+        return config, adopted
 
     @property
     def steps(self) -> int:
@@ -125,7 +142,7 @@ def resolve_config(args) -> RunConfig:
             method = dataclasses.replace(method, rewards=",".join(method.reward_names))
     except ValueError as err:
         raise FlagError(str(err))
-    data_config = config_flags.from_args(DataConfig, args)
+    data_config, defaulted = default_max_length(config_flags.from_args(DataConfig, args), method, model_dir)
     memory, chose = config_flags.from_args(MemoryConfig, args).resolved(vocab_size_of(model_name, model_dir))
     if chose:
         print(f"--vocab-chunk auto: {chose}")
@@ -133,7 +150,24 @@ def resolve_config(args) -> RunConfig:
                      source=config_flags.from_args(ModelSourceConfig, args, model=args.model),
                      lora=lora_config, gkd=gkd_config, model_dir=model_dir and str(model_dir),
                      model_sha256=model_sha256, data=data_config, data_sha256=data_hash(data_config.train_file),
-                     memory=memory)
+                     memory=memory, defaulted=defaulted)
+
+
+def default_max_length(data_config: DataConfig, method, model_dir) -> tuple[DataConfig, tuple[str, ...]]:
+    """--max-length's default, with --train-file on a Hugging Face model that declares more positions
+    than DEFAULT_MAX_LENGTH (grpo: room for --max-new-tokens too): DEFAULT_MAX_LENGTH, said on stdout.
+    A model with fewer positions gets none: its rows must fit them (rows.check_positions)."""
+    if data_config.max_length is not None or data_config.train_file is None or model_dir is None:
+        return data_config, ()
+    from tunix_nb import hf
+
+    positions = hf.read_config(model_dir).get("max_position_embeddings")
+    room = positions - (getattr(method, "max_new_tokens", 0) or 0) if positions else None
+    if room is None or room <= DEFAULT_MAX_LENGTH:
+        return data_config, ()
+    print(f"--max-length default: {DEFAULT_MAX_LENGTH} tokens a row (the model declares {positions:,} positions; "
+          "longer rows lose their prompt's beginning, counted below); --max-length N chooses another")
+    return dataclasses.replace(data_config, max_length=DEFAULT_MAX_LENGTH), ("max_length",)
 
 
 def _steps_from_epochs(args) -> None:

@@ -34,6 +34,19 @@ def _trackers(text: str) -> str:
     return ",".join(names)
 
 
+DEFAULT_STEPS = 300  # --steps without --steps or --epochs
+# --max-length's default for a Hugging Face model declaring more positions than this (Qwen3: 40,960):
+# TRL's SFTConfig.max_length. Rows are padded to the longest kept, so a cap bounds a step's memory.
+DEFAULT_MAX_LENGTH = 1024
+
+
+def steps_for_epochs(epochs: float, n_examples: int, batch_size: int) -> int:
+    """--epochs' steps: enough batches of `batch_size` to see `n_examples` `epochs` times (at least 1)."""
+    import math
+
+    return max(1, math.ceil(epochs * n_examples / batch_size - 1e-9))  # 1e-9: 2.0 x 64 / 32 is 4, not 5
+
+
 def _template_kwargs(text: str) -> str:
     """--chat-template-kwargs: a JSON object, kept as canonical JSON text (recorded in checkpoints)."""
     import argparse
@@ -75,7 +88,9 @@ class DataConfig:
     max_length: int | None = option(type=positive_int, help="with --train-file: at most this many tokens per row "
                                     "(grpo: per prompt). A prompt that does not fit loses its beginning; the "
                                     "completion is never cut; a row whose completion alone does not fit is an "
-                                    "error (default: the longest row)")
+                                    f"error (default: {DEFAULT_MAX_LENGTH} for a Hugging Face model that declares "
+                                    "more positions (max_position_embeddings), said on stdout; otherwise the "
+                                    "longest row, which must fit the model's positions)")
     chat_template_kwargs: str | None = option(type=_template_kwargs, metavar="JSON",
                                               help="with --train-file: variables for the chat template, as a JSON "
                                                    "object, passed when rows and prompts are rendered (transformers' "
@@ -88,16 +103,6 @@ class DataConfig:
                                 "per example, so the loss is the unpacked batch's; the rows are as long as "
                                 "unpacked ones, and as many as the run's fullest step needs, rounded up to a "
                                 "multiple of the devices x --grad-accum")
-
-
-DEFAULT_STEPS = 300  # --steps without --steps or --epochs
-
-
-def steps_for_epochs(epochs: float, n_examples: int, batch_size: int) -> int:
-    """--epochs' steps: enough batches of `batch_size` to see `n_examples` `epochs` times (at least 1)."""
-    import math
-
-    return max(1, math.ceil(epochs * n_examples / batch_size - 1e-9))  # 1e-9: 2.0 x 64 / 32 is 4, not 5
 
 
 AUTO_VOCAB_CHUNK = 8192  # --vocab-chunk auto's chunk for a vocabulary larger than it (issue 27's memory rows)
