@@ -120,3 +120,36 @@ def test_max_length_defaults_for_a_real_model_and_a_run_keeps_its_recorded_value
     assert "Resuming from the checkpoint at step 1" in out and checkpoint.load_meta(tmp_path / "ckpt")["step"] == 2
     # a value given as a flag is checked as before
     assert cli.main([*argv[:-2], "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "3", "--max-length", "64"]) == 2
+
+
+@pytest.fixture
+def on_a_tpu(monkeypatch):
+    """The backend's defaults as on a TPU (tests/test_devices.py's way of faking an accelerator)."""
+    from tunix_nb import devices
+
+    tpu = devices.defaults_for("tpu")
+    monkeypatch.setattr(devices, "defaults_for", lambda backend=None, **_: tpu)
+
+
+def test_dtype_auto_keeps_a_lora_base_in_bfloat16_on_an_accelerator(on_a_tpu, capsys):
+    lora = cli.config_from_argv(["sft", "--model", str(QWEN3), "--lora-rank", "4"])
+    assert lora.source.dtype == "bfloat16" and lora.training.compute_dtype == "bfloat16"
+    assert "--dtype auto: bfloat16 (the frozen base under --lora-rank" in capsys.readouterr().out
+    full = cli.config_from_argv(["sft", "--model", str(QWEN3)])
+    assert full.source.dtype == "float32"  # AdamW keeps updating float32 weights
+    assert "--dtype auto: float32 (full fine-tuning" in capsys.readouterr().out
+    assert cli.config_from_argv(["sft", "--model", "tiny", "--lora-rank", "4"]).source.dtype == "float32"
+
+
+def test_dtype_auto_on_the_cpu_is_float32():
+    assert cli.config_from_argv(["sft", "--model", str(QWEN3), "--lora-rank", "4"]).source.dtype == "float32"
+
+
+def test_a_run_saved_in_float32_resumes_in_float32_under_dtype_auto(tmp_path, capsys):
+    argv = ["sft", "--model", str(QWEN3), "--lora-rank", "2", "--batch-size", "8", "--steps", "2",
+            "--compute-dtype", "bfloat16", "--ckpt-dir", str(tmp_path / "ckpt")]
+    assert cli.main([*argv, "--dtype", "float32", "--stop-after", "1"]) == 0  # as runs before auto recorded it
+    assert cli.main(argv) == 0  # auto would choose bfloat16 here
+    out = capsys.readouterr().out
+    assert f"--dtype: float32, as the run in --ckpt-dir {tmp_path / 'ckpt'} recorded it (today's default: bfloat16)" in out
+    assert checkpoint.load_meta(tmp_path / "ckpt")["config"]["dtype"] == "float32"

@@ -130,6 +130,7 @@ def resolve_config(args) -> RunConfig:
     if args.epochs is not None:
         _steps_from_epochs(args)
     training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype)
+    dtype = param_dtype(args, model_dir, compute_dtype)
     lora_config, gkd_config = LoRAConfig(), None
     try:
         if args.command in LORA_COMMANDS:
@@ -147,10 +148,27 @@ def resolve_config(args) -> RunConfig:
     if chose:
         print(f"--vocab-chunk auto: {chose}")
     return RunConfig(command=args.command, model=model_name, training=training, method=method,
-                     source=config_flags.from_args(ModelSourceConfig, args, model=args.model),
+                     source=config_flags.from_args(ModelSourceConfig, args, model=args.model, dtype=dtype),
                      lora=lora_config, gkd=gkd_config, model_dir=model_dir and str(model_dir),
                      model_sha256=model_sha256, data=data_config, data_sha256=data_hash(data_config.train_file),
-                     memory=memory, defaulted=defaulted)
+                     memory=memory, defaulted=defaulted + (("dtype",) if args.dtype == "auto" else ()))
+
+
+def param_dtype(args, model_dir, compute_dtype: str) -> str:
+    """--dtype, "auto" resolved: a Hugging Face model's frozen LoRA base in bfloat16 where the step
+    computes in bfloat16 (an accelerator with native bfloat16), else float32 (full fine-tuning keeps
+    float32 weights, so AdamW never updates bfloat16 ones; the presets stay as they were)."""
+    if args.dtype != "auto":
+        return args.dtype
+    frozen_base = getattr(args, "lora_rank", None) is not None and model_dir is not None
+    if frozen_base and compute_dtype == "bfloat16":
+        print("--dtype auto: bfloat16 (the frozen base under --lora-rank, where the step computes in bfloat16: "
+              "half the memory; the adapters stay float32)")
+        return "bfloat16"
+    if model_dir is not None:
+        why = "full fine-tuning: AdamW updates float32 weights" if not frozen_base else "the step computes in float32"
+        print(f"--dtype auto: float32 ({why})")
+    return "float32"
 
 
 def default_max_length(data_config: DataConfig, method, model_dir) -> tuple[DataConfig, tuple[str, ...]]:

@@ -69,9 +69,12 @@ class ModelSourceConfig:
                                "(online) (default: student; dpo, grpo: the preset of the --init-from checkpoint)")
     revision: str | None = option(run_defining=False, help="with a Hub id: the branch, tag or commit to download "
                                   "(default: main; the run records the files' hash, not the revision)")
-    dtype: str = option("float32", choices=PARAM_DTYPES,
+    dtype: str = option("auto", choices=("auto", *PARAM_DTYPES),
                         help="the dtype the parameters are kept in; with --lora-rank the frozen base's "
-                             "(the adapters stay float32)")
+                             "(the adapters stay float32). auto: bfloat16 for a Hugging Face model's frozen base "
+                             "under --lora-rank where the step computes in bfloat16 (--compute-dtype auto: on a "
+                             "TPU, or a GPU from compute capability 8.0), float32 otherwise: full fine-tuning keeps float32 "
+                             "weights for AdamW; said on stdout. A resumed run keeps the dtype it recorded")
 
 
 @dataclasses.dataclass(frozen=True)
