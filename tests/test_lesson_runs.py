@@ -136,18 +136,6 @@ def assert_made_at_its_commit(record: dict, name: str) -> None:
         assert at_commit == lesson["notebook_sha256"], f"{name}: {lesson['lesson']} differs from {commit[:7]}'s"
 
 
-PARTS = sorted(p.name for p in (RECORDS / "tpu_v5e_1_partial").glob("*.json"))
-
-
-@pytest.mark.parametrize("name", PARTS)
-def test_the_chips_per_lesson_runs_are_well_formed_and_made_at_their_commit(name):
-    """The chip's runs so far, one lesson a file (`merge` makes tpu_v5e_1.json once all 13 share a commit)."""
-    record = json.loads((RECORDS / "tpu_v5e_1_partial" / name).read_text())
-    assert records.problems(record) == [] and [lesson["backend"] for lesson in record["lessons"]] == ["tpu"]
-    assert all(lesson["completed"] for lesson in record["lessons"]), name
-    assert_made_at_its_commit(record, name)
-
-
 def test_the_readme_table_is_the_records():
     readme = (ROOT / "README.md").read_text()
     assert records.readme_table(readme) == records.render_table(records.load_records()), \

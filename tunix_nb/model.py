@@ -60,6 +60,12 @@ class ModelConfig:
     # the block's activations from it (nnx.remat), trading one more forward pass for
     # memory. The same numbers either way; `with_remat` switches it on a built model.
     remat: bool = False
+    # Run the blocks as one jax.lax.scan over their stacked parameters: the compiled
+    # forward and backward passes hold one block instead of n_layers copies (stacking the
+    # per-block trees and the optimizer's update still grow with depth). The same
+    # arithmetic (bit for bit on the CPU); passes with a key/value cache (decoding) stay a
+    # loop. See `_scan_blocks`.
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.head_dim is None and self.d_model % self.n_heads:
@@ -280,6 +286,32 @@ def _remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS):
     return jax.checkpoint(run)(state, x_BxLxD, positions_BxL, allowed_BxLxS)
 
 
+def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool):
+    """The blocks applied in turn, as one `jax.lax.scan` over their parameters stacked on a
+    leading layer axis ([n_layers, ...] per leaf), with `jax.checkpoint` inside under remat.
+
+    The parameters stay one tree per block, as Hugging Face, PEFT, Orbax and the lessons
+    name them: the stack is built inside the step. Where parameters are cast for compute
+    (float32 kept, bfloat16 computed) the stack fuses with that cast; a tree kept in the
+    compute dtype (a bfloat16 frozen base) is copied once more, and XLA's memory analysis
+    of the step counts that copy. Blocks of different structure (an adapter on some layers
+    only) cannot share one body: they run as a loop.
+    """
+    graphdefs, states = zip(*(nnx.split(block) for block in blocks))
+    if any(graphdef != graphdefs[0] for graphdef in graphdefs[1:]):
+        for block in blocks:
+            x_BxLxD = (_remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS) if remat
+                       else block(x_BxLxD, positions_BxL, allowed_BxLxS)[0])
+        return x_BxLxD
+    stacked_states = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+    def one_block(x_BxLxD, state):
+        return nnx.merge(graphdefs[0], state)(x_BxLxD, positions_BxL, allowed_BxLxS)[0], None
+
+    body = jax.checkpoint(one_block) if remat else one_block
+    return jax.lax.scan(body, x_BxLxD, stacked_states)[0]
+
+
 def segment_attention(shape_BxL, attention_mask_BxL=None, segment_ids_BxL=None, positions_BxL=None):
     """(allowed [B, L, L], positions [B, L]) for rows that hold several examples.
 
@@ -388,7 +420,10 @@ class Transformer(nnx.Module):
         x = self.embed(tokens_BxL)
         if self.cfg.dtype is None:  # compute follows the params: nnx.Embed fixed float32 when it was built
             x = x.astype(jnp.result_type(self.embed.embedding[...]))
-        if caches is None and self.cfg.remat:  # a training pass: no cache to fill
+        if caches is None and self.cfg.scan_layers and len(self.blocks) > 1:
+            x = _scan_blocks(self.blocks, x, positions_BxL, allowed_BxLxS, remat=self.cfg.remat)
+            caches = [None]
+        elif caches is None and self.cfg.remat:  # a training pass: no cache to fill
             for block in self.blocks:
                 x = _remat_block(block, x, positions_BxL, allowed_BxLxS)
             caches = [None]
