@@ -44,6 +44,8 @@ from tunix_nb.tokenizer import ByteTokenizer, Tokenizer
 # The reward functions the command line can name (`--rewards`).
 REWARD_FUNCTIONS = {"exact_match": rewards_lib.exact_match, "char_match": rewards_lib.char_match,
                     "well_formed": rewards_lib.well_formed}
+DEFAULT_REWARDS = ("exact_match", "char_match")  # the shipped task's, when --reward-funcs is not given
+HF_MAX_NEW_TOKENS = 256  # a Hugging Face model's --max-new-tokens default: TRL's GRPOConfig.max_completion_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +75,13 @@ class GRPOConfig:
     num_iterations: int = option(1, type=positive_int, help="updates per rollout batch, Tunix's "
                                  "num_iterations (mu)")
     temperature: float = option(1.0, type=positive_float, help="sampling temperature, > 0")
-    max_new_tokens: int = option(8, type=positive_int, help="tokens sampled per completion")
-    rewards: str | None = option("exact_match,char_match", help="comma-separated built-in reward functions, "
-                                 f"summed: {', '.join(REWARD_FUNCTIONS)}; '' for none (with --reward-funcs)")
+    max_new_tokens: int | None = option(type=positive_int, help="tokens sampled per completion; a longer "
+                                        "completion is cut and scored as cut (default: 8, the shipped task's "
+                                        f"answers; a Hugging Face --model: {HF_MAX_NEW_TOKENS}, TRL's "
+                                        "max_completion_length, or half its max_position_embeddings if fewer)")
+    rewards: str | None = option(help="comma-separated built-in reward functions, summed: "
+                                 f"{', '.join(REWARD_FUNCTIONS)}; they read the data's 'completion' column "
+                                 f"(default: {','.join(DEFAULT_REWARDS)}, none with --reward-funcs)")
     reward_funcs: str | None = option(metavar="MODULE:FUNCTION,...", help="your own reward functions, summed "
                                       "with --rewards: TRL's signature fn(prompts, completions, **columns) -> "
                                       "list[float], imported from the module (a dotted name on sys.path or the "
@@ -92,8 +98,11 @@ class GRPOConfig:
 
     @property
     def reward_names(self) -> list[str] | None:
-        """The built-in reward names of --rewards, or None if one is unknown or repeated."""
-        names = [n.strip() for n in (self.rewards or "").split(",") if n.strip()]
+        """The built-in reward names of --rewards, or None if one is unknown or repeated. Not given: the
+        shipped task's rewards, or none beside --reward-funcs (TRL's reward_funcs are the user's alone)."""
+        if self.rewards is None:
+            return [] if self.reward_funcs else list(DEFAULT_REWARDS)
+        names = [n.strip() for n in self.rewards.split(",") if n.strip()]
         if any(n not in REWARD_FUNCTIONS for n in names) or len(set(names)) != len(names):
             return None
         return names

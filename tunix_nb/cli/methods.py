@@ -106,7 +106,7 @@ def _grpo_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Metho
     else:  # the prompts as the chat template renders them; every column reaches the rewards
         encoded = encoded_user_data(config, tokenizer)
         examples, rows = encoded.examples, encoded.arrays
-    reward_set = make_reward_set(options, examples)
+    reward_set = make_reward_set(options, examples, user_data=config.data.train_file is not None)
     objective = grpo.objective(t.graphdef, epsilon=options.epsilon, epsilon_high=options.epsilon_high,
                                beta=options.beta, kl_estimator=options.kl_estimator,
                                aggregation=options.aggregation, compute_dtype=dtype, **chunks_of(config))
@@ -159,9 +159,10 @@ def _distill_method(config, graphdef, params, tokenizer, dtype, with_eval) -> Me
                   eval_rows=eval_rows)
 
 
-def make_reward_set(options: grpo.GRPOConfig, examples):
+def make_reward_set(options: grpo.GRPOConfig, examples, user_data: bool = False):
     """--rewards' built-in functions and --reward-funcs' own, each under its name (metric
-    rewards/<name>/...); own functions are tried once on the first examples before training."""
+    rewards/<name>/...); tried once on the first examples before training, unless they are the
+    built-ins on the shipped task (a --train-file may lack the columns the built-ins read)."""
     from tunix_nb import rewards
 
     funcs = {name: grpo.REWARD_FUNCTIONS[name] for name in options.reward_names}
@@ -176,16 +177,22 @@ def make_reward_set(options: grpo.GRPOConfig, examples):
                             "rewards/<name>, so rename your function or drop it from --rewards")
         funcs.update(own)
     reward_set = rewards.combine(funcs)
-    if options.reward_funcs:
-        _try_rewards(reward_set, examples[:4])
+    if options.reward_funcs or user_data:
+        _try_rewards(reward_set, examples[:4], options)
     return reward_set
 
 
-def _try_rewards(reward_set, examples) -> None:
+def _try_rewards(reward_set, examples, options: grpo.GRPOConfig) -> None:
     """Call the reward functions on `examples` with their reference answers (or empty strings) as the completions:
     a function that fails, or returns the wrong length or NaN, stops the run before it starts."""
     from tunix_nb import rewards
 
+    flags = " / ".join(flag for flag, given in (("--rewards", options.reward_names),
+                                                ("--reward-funcs", options.reward_funcs)) if given)
+    # the built-ins read the shipped task's columns: say how to feed them, or to leave them out
+    hint = (f" The built-in --rewards {options.rewards} read the reference answer from a 'completion' column: "
+            "name yours so, or pass your own with --reward-funcs (alone unless --rewards names built-ins)."
+            if options.reward_names else "")
     columns = {k: [e[k] for e in examples] for k in examples[0] if k != "prompt"}
     # the reference answers where the data has them (the shipped task), else empty completions
     prompts = [e["prompt"] for e in examples]
@@ -193,9 +200,9 @@ def _try_rewards(reward_set, examples) -> None:
     try:
         reward_set(prompts, completions, **columns)
     except rewards.RewardError as err:
-        raise RunError(f"--reward-funcs: {err} (tried on the first {len(examples)} examples, their reference "
-                       "answers as the completions). Nothing was changed.")
-    except Exception as err:  # the user's function raised: show what it was called with
-        raise RunError(f"--reward-funcs: a reward function raised {type(err).__name__}: {err}, called as "
+        raise RunError(f"{flags}: {err} (tried on the first {len(examples)} examples, their reference "
+                       f"answers as the completions).{hint} Nothing was changed.")
+    except Exception as err:  # a function raised: show what it was called with
+        raise RunError(f"{flags}: a reward function raised {type(err).__name__}: {err}, called as "
                        f"fn(prompts, completions, {', '.join(f'{k}=' for k in columns)}) on the first "
-                       f"{len(examples)} examples. Nothing was changed.")
+                       f"{len(examples)} examples.{hint} Nothing was changed.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tunix_nb import config_flags, distill, gkd, lora
+from tunix_nb import config_flags, data, distill, gkd, grpo, lora
 from tunix_nb.cli.flags import (LORA_COMMANDS, METHOD_CONFIGS, FlagError, RunError, build_parser, check_flags,
                                 check_schedule, parse_args)
 from tunix_nb.gkd import GKDConfig
@@ -81,7 +81,7 @@ class RunConfig:
         for name in self.defaulted:
             today, recorded = self.record()[name], saved.get(name, OLDER_RUN_DEFAULTS.get(name))
             if recorded != today:
-                part = next(p for p in ("source", "data", "training") if hasattr(getattr(self, p), name))
+                part = next(p for p in ("source", "data", "training", "method") if hasattr(getattr(self, p), name))
                 config = dataclasses.replace(config, **{part: dataclasses.replace(getattr(config, part),
                                                                                   **{name: recorded})})
                 adopted[name] = (today, recorded)
@@ -131,7 +131,7 @@ def resolve_config(args) -> RunConfig:
         _steps_from_epochs(args)
     training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype)
     dtype = param_dtype(args, model_dir, compute_dtype)
-    lora_config, gkd_config = LoRAConfig(), None
+    lora_config, gkd_config, defaulted = LoRAConfig(), None, ()
     try:
         if args.command in LORA_COMMANDS:
             lora_config = config_flags.from_args(LoRAConfig, args).resolved()
@@ -139,11 +139,11 @@ def resolve_config(args) -> RunConfig:
             gkd_config, beta = config_flags.from_args(GKDConfig, args).resolved(method.beta)
             method = dataclasses.replace(method, beta=beta, teacher=method.teacher or str(distill.TEACHER_DIR))
         if args.command == "grpo":
-            method.check()
-            method = dataclasses.replace(method, rewards=",".join(method.reward_names))
+            method, defaulted = resolve_grpo(method, model_dir)
     except ValueError as err:
         raise FlagError(str(err))
-    data_config, defaulted = default_max_length(config_flags.from_args(DataConfig, args), method, model_dir)
+    data_config, chosen_length = default_max_length(config_flags.from_args(DataConfig, args), method, model_dir)
+    defaulted += chosen_length
     memory, chose = config_flags.from_args(MemoryConfig, args).resolved(vocab_size_of(model_name, model_dir))
     if chose:
         print(f"--vocab-chunk auto: {chose}")
@@ -169,6 +169,28 @@ def param_dtype(args, model_dir, compute_dtype: str) -> str:
         why = "full fine-tuning: AdamW updates float32 weights" if not frozen_base else "the step computes in float32"
         print(f"--dtype auto: float32 ({why})")
     return "float32"
+
+
+def resolve_grpo(method, model_dir) -> tuple[object, tuple[str, ...]]:
+    """(grpo's config with --rewards and --max-new-tokens resolved, the names a default chose). The
+    shipped task's rewards unless --reward-funcs is given; completions of 8 tokens fit the task's
+    answers, not a real model's: a Hugging Face model samples up to grpo.HF_MAX_NEW_TOKENS (TRL's
+    default), or half its positions (room for the prompt), said on stdout."""
+    method.check()
+    defaulted = ("rewards",) if method.rewards is None else ()
+    method = dataclasses.replace(method, rewards=",".join(method.reward_names))
+    if method.max_new_tokens is not None:
+        return method, defaulted
+    if model_dir is None:
+        return dataclasses.replace(method, max_new_tokens=data.MAX_NEW_TOKENS), defaulted + ("max_new_tokens",)
+    from tunix_nb import hf
+
+    positions = hf.read_config(model_dir).get("max_position_embeddings") or 2 * grpo.HF_MAX_NEW_TOKENS
+    tokens = min(grpo.HF_MAX_NEW_TOKENS, positions // 2)
+    print(f"--max-new-tokens default: {tokens} tokens a completion (TRL's {grpo.HF_MAX_NEW_TOKENS}"
+          f"{'' if tokens == grpo.HF_MAX_NEW_TOKENS else f', halved to fit {positions} positions'}; a longer "
+          "completion is cut and scored as cut); --max-new-tokens N chooses another")
+    return dataclasses.replace(method, max_new_tokens=tokens), defaulted + ("max_new_tokens",)
 
 
 def default_max_length(data_config: DataConfig, method, model_dir) -> tuple[DataConfig, tuple[str, ...]]:
