@@ -79,6 +79,21 @@ def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(
     assert cli.main([*argv, "--max-length", "128"]) == 0
 
 
+def test_a_generate_prompt_past_the_models_positions_is_refused_unless_max_length_cuts_it(capsys):
+    from tunix_nb import generate
+
+    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # max_position_embeddings 128
+    argv = ["--model", str(qwen3), "--prompt", "Count: " + " ".join(map(str, range(200))), "--max-new-tokens", "8"]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the prompt (")
+    assert "tokens) and --max-new-tokens 8 need" in err and "past the model's max_position_embeddings 128" in err
+    assert "pass --max-length 120 or less to keep the prompt's last tokens" in err
+    assert generate.main([*argv, "--max-length", "121"]) == 2  # one token too many
+    assert "error: --max-length (121 tokens) and --max-new-tokens 8 need 129 positions" in capsys.readouterr().err
+    assert generate.main([*argv, "--max-length", "120"]) == 0  # the prompt's last 120 tokens and 8 new ones fit
+
+
 def test_a_metrics_file_of_another_run_is_moved_aside_not_cut(tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
     earlier = "".join(f'{{"step": {k}, "loss": 1.0}}\n' for k in range(1, 301))

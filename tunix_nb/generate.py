@@ -52,15 +52,17 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def complete(model_dir, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
              top_k: int | None = None, top_p: float | None = None, dtype: str = "float32",
-             template_kwargs: dict | None = None) -> str:
+             template_kwargs: dict | None = None, max_length: int | None = None) -> str:
     """The model's completion of `prompt` (its text up to the first eos). `template_kwargs`
-    reach the chat template, as in training (--chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
+    reach the chat template, as in training (--chat-template-kwargs, e.g. Qwen3's enable_thinking).
+    A prompt that, with `max_new_tokens`, needs more positions than the model's
+    max_position_embeddings is a ValueError, unless `max_length` cuts its beginning (as training does)."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"--model {model_dir}: no such folder. Pass a folder written by "
                                 "hf.save_pretrained (--export-hf) or a Hugging Face checkpoint folder.")
-    graphdef, params, config = hf.load_pretrained(directory, dtype=dtype)
-    tokenizer = load_tokenizer(directory, config.vocab_size)
+    hf_config = hf.read_config(directory)
+    tokenizer = load_tokenizer(directory, hf.model_config(hf_config).vocab_size)
     if template_kwargs:
         if not isinstance(tokenizer, HFTokenizer):
             raise ValueError(f"--chat-template-kwargs: {directory} has the byte tokenizer, which has no chat "
@@ -69,6 +71,8 @@ def complete(model_dir, prompt: str, *, max_new_tokens: int = 64, temperature: f
     ids = prompt_ids(tokenizer, prompt)
     if not ids:
         raise ValueError("The prompt is empty and the model has no chat template or bos to start from.")
+    ids = fit_positions(ids, max_new_tokens, max_length, hf_config.get("max_position_embeddings"))
+    graphdef, params, _ = hf.load_pretrained(directory, dtype=dtype)  # after the checks: a real model loads slowly
     prompt_1xP = jnp.asarray([ids], jnp.int32)
     tokens, mask, _ = sampler.generate(graphdef, params, prompt_1xP, jnp.ones_like(prompt_1xP),
                                        jax.random.key(seed), max_new_tokens=max_new_tokens,
@@ -77,6 +81,26 @@ def complete(model_dir, prompt: str, *, max_new_tokens: int = 64, temperature: f
     tokens_T, mask_T = (x[0] for x in jax.device_get((tokens, mask)))  # one fetch, not one per token
     new = [int(t) for t, real in zip(tokens_T, mask_T) if real and int(t) != tokenizer.eos_id]
     return tokenizer.decode(new)
+
+
+def fit_positions(ids: list[int], max_new_tokens: int, max_length: int | None, positions: int | None) -> list[int]:
+    """The prompt's ids, cut to their last `max_length` when given (training's rule: a prompt loses its
+    beginning); a ValueError when they and `max_new_tokens` need positions past the model's, which it
+    never saw in training, so its output there would be silently wrong."""
+    if max_length is not None:
+        if max_length < 1:
+            raise ValueError(f"--max-length {max_length}: give at least 1 token of prompt")
+        ids = ids[-max_length:]
+    need = len(ids) + max_new_tokens
+    if positions is None or need <= positions:
+        return ids
+    if max_new_tokens >= positions:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} alone fills the model's max_position_embeddings "
+                         f"{positions} (config.json); give fewer")
+    cut = "--max-length" if max_length is not None else "the prompt"
+    raise ValueError(f"{cut} ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} need {need} positions, past "
+                     f"the model's max_position_embeddings {positions} (config.json); pass --max-length "
+                     f"{positions - max_new_tokens} or less to keep the prompt's last tokens, or fewer --max-new-tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (used when temperature > 0)")
     parser.add_argument("--dtype", default="float32", choices=hf.DTYPES, help="the parameters' dtype")
+    parser.add_argument("--max-length", type=int, default=None, metavar="N",
+                        help="keep the prompt's last N tokens (its beginning is cut, as in training); without it, "
+                             "a prompt that with --max-new-tokens needs more than the model's "
+                             "max_position_embeddings is an error")
     parser.add_argument("--chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
                         help="variables for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' "
                              "for Qwen3: give what the model was trained with")
@@ -107,7 +135,7 @@ def main(argv=None) -> int:
     try:
         text = complete(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         seed=args.seed, top_k=args.top_k, top_p=args.top_p, dtype=args.dtype,
-                        template_kwargs=args.chat_template_kwargs)
+                        template_kwargs=args.chat_template_kwargs, max_length=args.max_length)
     except (FileNotFoundError, ValueError) as err:  # hf.CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
