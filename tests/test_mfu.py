@@ -1,0 +1,100 @@
+"""tunix_nb.mfu: a step's model FLOPs against a count by hand and against XLA's count of the
+kit's compiled step, and the chip's peak by device kind (issue 47, items 5 and 8)."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from tunix_nb import lora, mfu, model, sft, train
+from tunix_nb.bench.common import compiled_cost
+
+# d 128, GQA 4/2 with head_dim 32, d_ff 512, 2 layers, the byte vocabulary; B x L = 4 x 64
+CONFIG = model.ModelConfig(vocab_size=259, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512)
+BATCH, SEQ = 4, 64
+
+
+def test_the_count_by_hand():
+    # per block: q 128x128, k and v 128x64 each, out 128x128, gate/up/down 128x512 each
+    per_block = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 512
+    n = 2 * per_block + 259 * 128  # and the LM head (tied: counted once, as a matmul)
+    assert mfu.matmul_params(CONFIG) == n == 524_672
+    attention = 12 * 2 * 64 * 4 * 32  # layers x seq x heads x head_dim, forward and backward
+    tokens = BATCH * SEQ
+    assert mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ) == (6 * n + attention) * tokens
+    assert mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ, causal_halving=True) == (6 * n + attention / 2) * tokens
+    # a frozen base: no weight gradients (4N), the adapters' own 6 per parameter
+    assert mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ, adapter_params=1000) == (
+        4 * n + 6 * 1000 + attention) * tokens
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="batch must be a positive int, got 0"):
+        mfu.step_flops(CONFIG, batch=0, seq_len=SEQ)
+    with pytest.raises(ValueError, match="adapter_params must be None .full fine-tuning. or a count >= 0"):
+        mfu.step_flops(CONFIG, batch=1, seq_len=SEQ, adapter_params=-5)
+    with pytest.raises(ValueError, match="step_seconds and the peak must be positive"):
+        mfu.utilisation(1e12, 0.0, 197e12)
+
+
+def _xla_flops(remat: bool, rank: int | None):
+    cfg = model.get_config(CONFIG, remat=remat)
+    graphdef, params = model.split(model.make_model(cfg, seed=0))
+    tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((BATCH, SEQ), np.float32),
+             "attention_mask": np.ones((BATCH, SEQ), np.int32)}
+    optimizer = train.make_optimizer(train.OptimizerConfig(total_steps=100))
+    if rank is None:
+        step = train.make_step(sft.objective(graphdef, compute_dtype=np.float32), optimizer)
+        compiled = step.lower(params, optimizer.init(params), batch).compile()
+        return compiled_cost(compiled)["flops"], None
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=rank)
+    step = train.make_step(lora.objective(sft.objective(lora_graphdef, compute_dtype=np.float32)), optimizer)
+    compiled = step.lower(adapters, optimizer.init(adapters), batch, lora.frozen(base)).compile()
+    return compiled_cost(compiled)["flops"], model.count_params(adapters)
+
+
+def test_the_count_agrees_with_xla_on_the_kit_s_step_and_remat_adds_a_forward():
+    """Without remat XLA's count of the compiled step (CPU) is the model count within 4%: XLA
+    also counts the elementwise ops, the softmax and AdamW's update (and, with a frozen base,
+    skips the first block's input gradient, which nothing needs). With remat XLA's count holds
+    each block's forward again, less what the backward pass does not read (the down
+    projection's output), more its elementwise ops."""
+    full, _ = _xla_flops(remat=False, rank=None)
+    model_full = mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ)
+    assert 1.0 <= full / model_full < 1.04
+    frozen, adapters = _xla_flops(remat=False, rank=8)
+    assert adapters == 2 * 8 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 3 * (128 + 512))  # r x (in + out)
+    model_frozen = mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ, adapter_params=adapters)
+    assert 0.97 < frozen / model_frozen < 1.04
+    remat, _ = _xla_flops(remat=True, rank=None)
+    blocks_forward = 2 * (mfu.matmul_params(CONFIG) - 259 * 128) + mfu.attention_flops_per_token(CONFIG, SEQ) / 3
+    down_projections = 2 * 2 * 512 * 128
+    tokens = BATCH * SEQ
+    assert (blocks_forward - down_projections) * tokens < remat - full < 1.1 * blocks_forward * tokens
+
+
+@pytest.mark.parametrize("kind, chip, peak", [
+    ("TPU v5 lite", "TPU v5e", 197e12), ("TPU v5e", "TPU v5e", 197e12), ("TPU v5", "TPU v5p", 459e12),
+    ("TPU v5p", "TPU v5p", 459e12), ("TPU v6 lite", "TPU v6e", 918e12), ("TPU v4", "TPU v4", 275e12),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312e12), ("NVIDIA H100 80GB HBM3", "H100", 989e12),
+    ("NVIDIA L4", "L4", 121e12), ("Tesla T4", "T4", 65e12),
+])
+def test_the_peak_by_device_kind(kind, chip, peak):
+    found = mfu.peak_for(kind)
+    assert (found.chip, found.flops_per_second) == (chip, peak)
+    assert found.dtype == ("float16" if chip == "T4" else "bfloat16")
+
+
+@pytest.mark.parametrize("kind", ["cpu", "TPU v4 lite", "NVIDIA L40S", "TPU v3"])
+def test_chips_not_in_the_table_have_no_peak(kind):
+    assert mfu.peak_for(kind) is None
+
+
+def test_the_peak_of_the_device_jax_sees(monkeypatch):
+    """JAX's first device, faked as a v5e chip (the CPU tests cannot hold one)."""
+    assert mfu.device_peak() is None  # the tests' CPU
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")])
+    peak = mfu.device_peak()
+    assert peak.chip == "TPU v5e" and mfu.utilisation(197e12 * 0.5, 1.0, peak) == 0.5
