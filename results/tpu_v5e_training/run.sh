@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The training command on a TPU v5e chip at Qwen3-0.6B's shapes (issue 47, item 5): random weights
+# written on the chip (python -m tunix_nb.random_checkpoint), then full fine-tuning (AdamW, float32
+# weights) and LoRA r16 (bfloat16 base), batch 8 x 1024 tokens, bfloat16 compute, remat, 15 steps
+# each, measured by python -m tunix_nb.measure_command: the step's compiles and their seconds, step
+# times, MFU by model FLOPs (tunix_nb.mfu) and XLA's FLOPs over the chip's peak.
+# Writes $OUT/tpu_v5e_training.json (both runs, the commit, this script's settings) and each run's
+# log tail in $OUT/<run>.log. The machine has no .git: the commit comes as an argument.
+#
+# Usage, on the chip:  bash results/tpu_v5e_training/run.sh COMMIT
+# On a CPU, to check it end to end (tiny preset, 2 x 64 tokens, 4 steps, no installs):
+#                      OUT=/tmp/check bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
+commit="${1:?give the commit the working tree is at}"
+if [ "${2:-}" = "--cpu-check" ]; then
+    preset=tiny; batch=2; length=64; steps=4; run_limit=120
+else
+    source results/lesson_runs/tpu_setup.sh
+    preset=qwen3-0.6b; batch=8; length=1024; steps=15; run_limit=270  # two runs in a 10-minute call
+fi
+: "${OUT:?set OUT to the folder the record goes to}"
+work="$(mktemp -d)"
+export TUNIX_NB_COMPILE_CACHE="$work/jax_cache"  # a cold cache: the compile is measured, not read back
+python -m tunix_nb.random_checkpoint --preset "$preset" --out "$work/model" || exit 1
+# rows of text longer than the rows the step takes (the byte tokenizer: one token a byte)
+python -c "
+import json, random, sys
+words = 'the a of to in is on at by for with from model step chip token batch layer'.split()
+rng = random.Random(0)
+with open(sys.argv[1], 'w') as f:
+    for _ in range(64):
+        f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
+" "$work/rows.jsonl" "$length"
+common=(sft --model "$work/model" --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
+        --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
+        --seq-chunk 256 --learning-rate 1e-4)
+for run in full lora_r16; do
+    extra=(); [ "$run" = lora_r16 ] && extra=(--lora-rank 16)
+    timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" -- "${common[@]}" "${extra[@]}" \
+        > "$work/$run.out" 2>&1
+    echo "== $run: exit $?" > "$OUT/$run.log"
+    tail -c 4000 "$work/$run.out" >> "$OUT/$run.log"
+done
+python -c "
+import json, sys
+from pathlib import Path
+work, out, commit = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+runs = {run: json.loads((work / f'{run}.json').read_text()) if (work / f'{run}.json').is_file() else None
+        for run in ('full', 'lora_r16')}
+record = {'commit': commit, 'script': 'results/tpu_v5e_training/run.sh', 'preset': sys.argv[4], 'runs': runs}
+(out / 'tpu_v5e_training.json').write_text(json.dumps(record, indent=2) + '\n')
+for run, r in runs.items():
+    print(run, None if r is None else {k: r.get(k) for k in ('step_compiles', 'step_compile_seconds',
+          'median_step_seconds', 'tokens_per_second', 'mfu', 'xla_flops_utilisation')})
+" "$work" "$OUT" "$commit" "$preset"
+rm -rf "$work"

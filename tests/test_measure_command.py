@@ -1,0 +1,64 @@
+"""python -m tunix_nb.measure_command: the training command run in-process on a random Qwen3-shaped
+folder, its step compiled once, its step times, MFU and XLA's FLOPs in one record (issue 47)."""
+
+import json
+
+import pytest
+
+from tunix_nb import measure_command, mfu, random_checkpoint
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    """One run, on a chip faked for the peak (the device itself is the tests' CPU)."""
+    work = tmp_path_factory.mktemp("measure")
+    random_checkpoint.write(work / "model", random_checkpoint.preset_config("tiny"))
+    rows = work / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"row {i}: " + "abc def " * 20}) + "\n" for i in range(8)))
+    out = work / "record.json"
+    saved = mfu.device_peak
+    mfu.device_peak = lambda device=None: mfu.peak_for("TPU v5 lite")
+    try:
+        code = measure_command.main(["--out", str(out), "--", "sft", "--model", str(work / "model"), "--train-file",
+                                     str(rows), "--max-length", "65", "--batch-size", "2", "--steps", str(STEPS),
+                                     "--remat"])
+    finally:
+        mfu.device_peak = saved
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_the_step_compiles_once_and_its_phases_are_timed(record):
+    assert record["step_compiles"] == 1
+    assert set(record["step_compile_seconds"]) == {"tracing", "lowering", "xla_compile"}
+    assert all(seconds > 0 for seconds in record["step_compile_seconds"].values())
+    assert record["xla_analysis"]["compiled_again"] is False  # XLA's FLOPs are the run's own program's
+
+
+def test_step_times_leave_out_the_warm_up(record):
+    assert record["steps_logged"] == STEPS and (record["batch"], record["seq_len"]) == (2, 64)
+    assert len(record["step_seconds"]) == STEPS - measure_command.WARMUP_STEPS
+    assert record["tokens_per_second"] == pytest.approx(2 * 64 / record["median_step_seconds"])
+
+
+def test_mfu_is_model_flops_over_the_peak_and_xla_counts_the_recomputation(record):
+    config = random_checkpoint.hf.model_config(random_checkpoint.preset_config("tiny"))
+    flops = mfu.step_flops(config, batch=2, seq_len=64)
+    assert record["model_flops_per_step"] == flops and record["model"]["lora"] is False
+    assert record["mfu"] == pytest.approx(flops / record["median_step_seconds"] / 197e12)
+    assert record["peak"]["chip"] == "TPU v5e"
+    # --remat: XLA's count holds each block's forward twice; MFU does not
+    assert 1.15 < record["xla_over_model_flops"] < 1.45
+    assert record["xla_flops_utilisation"] > record["mfu"]
+
+
+def test_bad_input_is_refused(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        measure_command.main(["--out", str(tmp_path / "x.json")])
+    assert "give the training command after --" in capsys.readouterr().err
+    assert measure_command.main(["--out", str(tmp_path / "x.json"), "--", "sft", "--parallel", "fsdp"]) == 2
+    assert "measure_command times one device" in capsys.readouterr().err
+    assert measure_command.main(["--out", str(tmp_path / "x.json"), "--", "sft", "--model", "no/such"]) == 2
+    assert "reads a preset" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
