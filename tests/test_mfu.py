@@ -98,3 +98,36 @@ def test_the_peak_of_the_device_jax_sees(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")])
     peak = mfu.device_peak()
     assert peak.chip == "TPU v5e" and mfu.utilisation(197e12 * 0.5, 1.0, peak) == 0.5
+
+
+def test_the_bench_group_measures_a_real_size_model_on_a_chip_only(monkeypatch):
+    """The mfu group's dispatch, on the tests' CPU and on a faked v5e: the small model's figure
+    stays the CPU's; on the chip, train_step_mfu is the real-size model's, the small one a detail."""
+    from tunix_nb.bench import mfu as group
+
+    small = {"train_step_mfu": {"value": 0.1, "matmul_peak_flops_per_second": 1e12, "model": {}},
+             "backward_over_forward": {"value": 2.0}}
+    chip_calls = []
+    monkeypatch.setattr(group, "bench_mfu", lambda repeats, quick: {k: dict(v) for k, v in small.items()})
+    monkeypatch.setattr(group, "bench_mfu_on_chip", lambda peak, repeats, **kw: chip_calls.append((peak, kw)) or {
+        "train_step_mfu": {"value": 0.3, "chip": peak.chip}})
+    assert group.measure(quick=True, repeats=3) == small and chip_calls == []
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")])
+    figures = group.measure(quick=True, repeats=3)
+    assert figures["train_step_mfu"] == {"value": 0.3, "chip": "TPU v5e"} and figures["backward_over_forward"]
+    (peak, kw), = chip_calls
+    assert peak.flops_per_second == 197e12 and kw["small_model"]["value"] == 0.1 and kw["quick"] is True
+
+
+def test_the_chip_figure_is_model_flops_over_the_step_time_and_the_peak():
+    """bench_mfu_on_chip itself, run on the CPU at a tiny size against a v5e's peak."""
+    from tunix_nb.bench import mfu as group
+
+    config = model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                               d_ff=128)
+    fig = group.bench_mfu_on_chip(mfu.peak_for("TPU v5 lite"), 3, quick=True, config=config, batch=2,
+                                  seq_len=64)["train_step_mfu"]
+    flops = mfu.step_flops(config, batch=2, seq_len=64)
+    assert fig["model_flops_per_step"] == flops and fig["chip"] == "TPU v5e"
+    assert fig["value"] == pytest.approx(flops / fig["step_seconds"] / 197e12)  # the median of 3 calls
+    assert fig["xla_flops_per_step"] > flops  # and the elementwise ops, AdamW's update

@@ -8,19 +8,28 @@
 # log tail in $OUT/<run>.log. The machine has no .git: the commit comes as an argument.
 #
 # Usage, on the chip:  bash results/tpu_v5e_training/run.sh COMMIT
-# On a CPU, to check it end to end (tiny preset, 2 x 64 tokens, 4 steps, no installs):
+#   RUNS picks the runs (default "full lora_r16"); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
+#   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
+# On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
 #                      OUT=/tmp/check bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
 commit="${1:?give the commit the working tree is at}"
+runs="${RUNS:-full lora_r16}"
 if [ "${2:-}" = "--cpu-check" ]; then
-    preset=tiny; batch=2; length=64; steps=4; run_limit=120
+    qwen=tiny; llama=tiny; batch=2; length=64; steps=4; run_limit=120
 else
     source results/lesson_runs/tpu_setup.sh
-    preset=qwen3-0.6b; batch=8; length=1024; steps=15; run_limit=270  # two runs in a 10-minute call
+    qwen=qwen3-0.6b; llama=llama-3.2-1b; batch=8; length=1024; steps=15; run_limit=270  # two runs a 10-minute call
 fi
 : "${OUT:?set OUT to the folder the record goes to}"
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 export TUNIX_NB_COMPILE_CACHE="$work/jax_cache"  # a cold cache: the compile is measured, not read back
-python -m tunix_nb.random_checkpoint --preset "$preset" --out "$work/model" || exit 1
+folder_of() { case "$1" in full|lora_r16) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
+for run in $runs; do  # each model's folder once, with random weights
+    name="$(folder_of "$run")" || { echo "unknown run $run: choose from full lora_r16 llama_qlora_r16" >&2; exit 2; }
+    preset="$qwen"; [ "$name" = llama ] && preset="$llama"
+    [ -d "$work/$name" ] || python -m tunix_nb.random_checkpoint --preset "$preset" --out "$work/$name" || exit 1
+done
 # rows of text longer than the rows the step takes (the byte tokenizer: one token a byte)
 python -c "
 import json, random, sys
@@ -30,11 +39,15 @@ with open(sys.argv[1], 'w') as f:
     for _ in range(64):
         f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
 " "$work/rows.jsonl" "$length"
-common=(sft --model "$work/model" --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
+common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
         --seq-chunk 256 --learning-rate 1e-4)
-for run in full lora_r16; do
-    extra=(); [ "$run" = lora_r16 ] && extra=(--lora-rank 16)
+for run in $runs; do
+    case "$run" in
+        full) extra=(--model "$work/qwen") ;;
+        lora_r16) extra=(--model "$work/qwen" --lora-rank 16) ;;
+        llama_qlora_r16) extra=(--model "$work/llama" --lora-rank 16 --quantize nf4) ;;
+    esac
     timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" -- "${common[@]}" "${extra[@]}" \
         > "$work/$run.out" 2>&1
     echo "== $run: exit $?" > "$OUT/$run.log"
@@ -45,11 +58,10 @@ import json, sys
 from pathlib import Path
 work, out, commit = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 runs = {run: json.loads((work / f'{run}.json').read_text()) if (work / f'{run}.json').is_file() else None
-        for run in ('full', 'lora_r16')}
-record = {'commit': commit, 'script': 'results/tpu_v5e_training/run.sh', 'preset': sys.argv[4], 'runs': runs}
+        for run in sys.argv[4].split()}
+record = {'commit': commit, 'script': 'results/tpu_v5e_training/run.sh', 'runs': runs}
 (out / 'tpu_v5e_training.json').write_text(json.dumps(record, indent=2) + '\n')
 for run, r in runs.items():
     print(run, None if r is None else {k: r.get(k) for k in ('step_compiles', 'step_compile_seconds',
           'median_step_seconds', 'tokens_per_second', 'mfu', 'xla_flops_utilisation')})
-" "$work" "$OUT" "$commit" "$preset"
-rm -rf "$work"
+" "$work" "$OUT" "$commit" "$runs"

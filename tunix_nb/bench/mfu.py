@@ -1,5 +1,12 @@
 """The mfu group: the SFT step's FLOPs per second over the machine's matmul peak, the backward
-pass against the forward, and the backward-pass fix (`model.per_token`) against the model before it."""
+pass against the forward, and the backward-pass fix (`model.per_token`) against the model before it.
+
+On a chip in `tunix_nb.mfu.PEAK_FLOPS` (a TPU, an A100, ...), `train_step_mfu` is a real-size
+model's instead: the memory plan's step at Qwen3-0.6B's shapes (8 x 1024 tokens, bfloat16
+compute, remat, donation, vocabulary chunks of 8192; 4 of its 28 layers with --quick), random
+weights made on the chip, its model FLOPs (`tunix_nb.mfu`) over the chip's bfloat16 peak. The
+small model's figure against a measured float32 matmul peak means nothing there (issue 47:
+0.100 on a v5e); it stays as the CPU's figure, and as a detail on a chip."""
 
 from __future__ import annotations
 
@@ -14,8 +21,73 @@ from tunix_nb.bench.common import compiled_cost, interleaved_times, medians, spr
 FIGURES = {"train_step_mfu": (0.45, "min"), "backward_over_forward": (2.5, "max")}
 
 
+CHIP_MODEL = "Qwen3-0.6B"  # data/model_configs/
+CHIP_BATCH, CHIP_SEQ_LEN, CHIP_QUICK_LAYERS = 8, 1024, 4
+
+
 def measure(*, quick: bool, repeats: int) -> dict:
-    return bench_mfu(repeats, quick=quick)
+    from tunix_nb import mfu
+
+    figures = bench_mfu(repeats, quick=quick)
+    peak = mfu.device_peak()
+    if peak is not None:
+        small = {k: figures["train_step_mfu"][k] for k in ("value", "matmul_peak_flops_per_second", "model")}
+        figures.update(bench_mfu_on_chip(peak, repeats, quick=quick, small_model=small))
+    return figures
+
+
+def chip_config(quick: bool):
+    """Qwen3-0.6B's ModelConfig with per-block remat (4 layers with --quick)."""
+    import dataclasses
+
+    from tunix_nb import hf, random_checkpoint
+
+    config = hf.model_config(random_checkpoint.preset_config(CHIP_MODEL.lower()))
+    return dataclasses.replace(config, remat=True, n_layers=CHIP_QUICK_LAYERS if quick else config.n_layers)
+
+
+def bench_mfu_on_chip(peak, repeats: int, *, quick: bool, config=None, batch: int = CHIP_BATCH,
+                      seq_len: int = CHIP_SEQ_LEN, small_model: dict | None = None) -> dict:
+    """train_step_mfu of a real-size model (`chip_config`, or `config`) against `peak`, the step
+    timed call after call with its donated state passed on."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from tunix_nb import mfu, model, sft, train
+
+    config = config or chip_config(quick)
+    graphdef, params = model.split(nnx.jit(lambda: model.make_model(config, seed=0))())  # one program, not op by op
+    optimizer = train.make_optimizer(train.OptimizerConfig(total_steps=100))
+    state = [params, jax.jit(optimizer.init)(params)]
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, (batch, seq_len + 1)).astype(np.int32)
+    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
+            "attention_mask": np.ones((batch, seq_len), np.int32)}
+    objective = sft.objective(graphdef, compute_dtype=jnp.bfloat16, vocab_chunk=8192, seq_chunk=256)
+    started = time.perf_counter()
+    step = train.make_step(objective, optimizer, donate=True).lower(*state, rows).compile()
+    compile_seconds = time.perf_counter() - started
+
+    def one_step():
+        state[0], state[1], metrics = step(state[0], state[1], rows)
+        return metrics
+
+    seconds = np.asarray(interleaved_times({"step": one_step}, repeats=repeats, min_seconds=0)["step"])
+    flops = mfu.step_flops(config, batch=batch, seq_len=seq_len)
+    xla_flops = compiled_cost(step)["flops"]
+    return timed_figure(FIGURES, "train_step_mfu", spread(flops / seconds / peak.flops_per_second),
+                        chip=peak.chip, device_kind=peak.device_kind, peak_flops_per_second=peak.flops_per_second,
+                        peak_dtype=peak.dtype, step_seconds=float(np.median(seconds)), model_flops_per_step=flops,
+                        xla_flops_per_step=xla_flops, compile_seconds=compile_seconds,
+                        xla_flops_utilisation=float(xla_flops / np.median(seconds) / peak.flops_per_second),
+                        model={"name": CHIP_MODEL, "n_layers": config.n_layers, "params": model.count_params(state[0]),
+                               "batch": batch, "seq_len": seq_len, "compute_dtype": "bfloat16", "remat": config.remat,
+                               "vocab_chunk": 8192, "seq_chunk": 256},
+                        small_model_against_measured_matmul_peak=small_model,
+                        note="model FLOPs (tunix_nb.mfu: 6N + attention) / step time / the chip's bfloat16 peak")
 
 
 def model_flops_per_step(cfg, batch: int, seq_len: int) -> float:
