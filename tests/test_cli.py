@@ -261,12 +261,11 @@ def test_length_normalized_dpo_runs_and_is_part_of_the_run_config(tmp_path, caps
     assert "(length_normalize: saved True, given False)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("signum, code, after_step", [(signal.SIGTERM, 143, 37), (signal.SIGINT, 130, 113)],
-                         ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_saves_the_step_in_flight_and_resumes_bitwise(cli, env, tmp_path, reference, signum, code,
-                                                                    after_step):
-    """A preemption notice (SIGTERM) or Ctrl-C (SIGINT) off the save interval: the run saves the step
-    in flight, not the last --save-every step, says so in one line, and resumes to the same bits."""
+def test_a_preemption_notice_saves_the_step_in_flight_and_resumes_bitwise(cli, env, tmp_path, reference):
+    """A preemption notice (SIGTERM) from outside the process off the save interval: the run saves the
+    step in flight, not the last --save-every step, says so in one line, exits 143, and resumes to the
+    same bits. (SIGINT: in this process, below; through a process: tests/test_grpo.py.)"""
+    signum, code, after_step = signal.SIGTERM, 143, 37
     ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     argv = [*RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
     stopped = preempt.run_and_signal(argv, metrics_file=metrics, signum=signum, after_step=after_step, env=env)
@@ -282,3 +281,37 @@ def test_a_stop_signal_saves_the_step_in_flight_and_resumes_bitwise(cli, env, tm
     assert f"Resuming from the checkpoint at step {saved}" in resumed.stdout
     assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
     assert metrics.read_text() == reference[1].read_text()
+
+
+def test_ctrl_c_in_process_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, capsys, monkeypatch):
+    """SIGINT raised in cli.main's own process (a notebook's interrupt) as step 2 is logged, off the
+    save interval (5): step 3, the one in flight (steps are dispatched before the last one is logged),
+    is saved, main returns 130, the handler of before is back, and the resumed run ends on the bits
+    and metrics of a run never stopped."""
+    from tunix_nb import tracking
+    from tunix_nb.cli.stop_signals import StopRequest
+
+    def argv(name):
+        return [*TINY, "--steps", "6", "--save-every", "5", "--ckpt-dir", str(tmp_path / name),
+                "--metrics-file", str(tmp_path / f"{name}.jsonl")]
+
+    assert cli_module.main(argv("whole")) == 0
+    before, log = signal.getsignal(signal.SIGINT), tracking.Trackers.log
+
+    def log_and_signal(self, record):
+        log(self, record)
+        if record["step"] == 2:
+            handler = signal.getsignal(signal.SIGINT)
+            assert isinstance(getattr(handler, "__self__", None), StopRequest), "the run's handler is not installed"
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(tracking.Trackers, "log", log_and_signal)
+    assert cli_module.main(argv("cut")) == 130
+    assert "Stopped by SIGINT after step 3 of 6: saved step 3" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is before
+    assert sorted(int(p.name) for p in (tmp_path / "cut").iterdir() if p.name.isdigit()) == [3]
+    monkeypatch.setattr(tracking.Trackers, "log", log)
+    assert cli_module.main(argv("cut")) == 0
+    assert "Resuming from the checkpoint at step 3" in capsys.readouterr().out
+    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "whole"), checkpoint.load_params(tmp_path / "cut"))
+    assert (tmp_path / "whole.jsonl").read_text() == (tmp_path / "cut.jsonl").read_text()

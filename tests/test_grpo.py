@@ -286,21 +286,28 @@ def without_times(path):
             for line in path.read_text().splitlines()]
 
 
-def test_cli_grpo_stops_and_resumes_bitwise(tmp_path, tiny_sft, capsys):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert cli_module.main(grpo_argv(tiny_sft, whole, tmp_path / "whole.jsonl")) == 0
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, tiny_sft):
+    """grpo_argv's run, uninterrupted and in this process: (its --ckpt-dir, its --metrics-file)."""
+    root = tmp_path_factory.mktemp("grpo_whole")
+    assert cli_module.main(grpo_argv(tiny_sft, root / "whole", root / "whole.jsonl")) == 0
+    return root / "whole", root / "whole.jsonl"
+
+
+def test_cli_grpo_stops_and_resumes_bitwise(tmp_path, tiny_sft, whole_run, capsys):
+    (whole, whole_metrics), cut = whole_run, tmp_path / "cut"
     assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl", "--stop-after", "1")) == 0
     assert "Stopped after step 1 of 4" in capsys.readouterr().out
     assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == 0
     assert "Resuming from the checkpoint at step 1" in capsys.readouterr().out
     assert compare.bitwise_equal(checkpoint.load_params(whole), checkpoint.load_params(cut))
-    lines = without_times(tmp_path / "whole.jsonl")
+    lines = without_times(whole_metrics)
     assert lines == without_times(tmp_path / "cut.jsonl")
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     assert {"loss", "reward", "reward_std", "rewards/exact_match/mean", "rewards/char_match/mean",
             "frac_reward_zero_std", "clip_ratio", "kl", "entropy", "completions/mean_length"} <= set(lines[0])
     assert all({"time/rollout_s", "time/update_s"} <= set(json.loads(line))
-               for line in (tmp_path / "whole.jsonl").read_text().splitlines())
+               for line in whole_metrics.read_text().splitlines())
     config = checkpoint.load_meta(whole)["config"]
     assert {k: config[k] for k in ("command", "model", "group_size", "num_iterations", "epsilon_high", "beta",
                                    "advantage", "rewards")} == {
@@ -342,61 +349,100 @@ def test_cli_errors_name_the_fix(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_grpo_killed_mid_run_resumes_bitwise(tmp_path, tiny_sft):
-    """SIGKILL between saves, then the same command again: the same bits as a run never killed
-    (the rollouts' sampling keys are a function of seed and step)."""
+def long_argv(init_from, ckpt, metrics):
+    """A run long enough to be interrupted from outside: 12 steps, saved every 4."""
+    return [*grpo_argv(init_from, ckpt, metrics), "--steps", "12", "--save-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def one_device_env(tmp_path_factory):
+    """Each run its own process on one device, sharing a compilation cache (how long a run takes, not what
+    it computes)."""
     import os
 
-    from tunix_nb import preempt
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return env
 
-    def argv(ckpt, metrics):
-        return [*grpo_argv(tiny_sft, ckpt, metrics), "--steps", "24", "--save-every", "4"]
 
+def run_command(argv, env):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # every run: one device, its own process
-
-    def run(ckpt, metrics):
-        out = subprocess.run([sys.executable, "-m", "tunix_nb.train", *argv(ckpt, metrics)], capture_output=True,
-                             text=True, env=env, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out
-
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    run(whole, tmp_path / "whole.jsonl")
-    killed = preempt.run_and_kill(argv(cut, tmp_path / "cut.jsonl"), ckpt_dir=cut, metrics_file=tmp_path / "cut.jsonl",
-                                  when="between_saves", after_step=6, env=env, timeout=300)
-    assert killed["killed"] and killed["step"] < 24, killed
-    assert "Resuming from the checkpoint" in run(cut, tmp_path / "cut.jsonl").stdout
-    assert compare.bitwise_equal(checkpoint.load_params(whole), checkpoint.load_params(cut))
-    assert without_times(tmp_path / "whole.jsonl") == without_times(tmp_path / "cut.jsonl")
+    out = subprocess.run([sys.executable, "-m", "tunix_nb.train", *argv], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_cli_grpo_saves_the_step_a_stop_signal_finds_and_resumes_bitwise(tmp_path, tiny_sft, capsys, monkeypatch,
-                                                                         signum, code):
-    """The signal comes as step 1 is logged, off the save interval (2): step 1 is saved, the run
-    exits 128 + signum, and the resumed run ends on the uninterrupted run's bits."""
+@pytest.fixture(scope="module")
+def long_whole_run(tmp_path_factory, tiny_sft, one_device_env):
+    """long_argv's run, uninterrupted, in its own process: (its --ckpt-dir, its --metrics-file)."""
+    root = tmp_path_factory.mktemp("grpo_long_whole")
+    run_command(long_argv(tiny_sft, root / "whole", root / "whole.jsonl"), one_device_env)
+    return root / "whole", root / "whole.jsonl"
+
+
+def test_cli_grpo_killed_mid_run_resumes_bitwise(tmp_path, tiny_sft, one_device_env, long_whole_run):
+    """SIGKILL between saves, then the same command again: the same bits as a run never killed
+    (the rollouts' sampling keys are a function of seed and step)."""
+    from tunix_nb import preempt
+
+    cut, metrics = tmp_path / "cut", tmp_path / "cut.jsonl"
+    killed = preempt.run_and_kill(long_argv(tiny_sft, cut, metrics), ckpt_dir=cut, metrics_file=metrics,
+                                  when="between_saves", after_step=6, env=one_device_env, timeout=300)
+    assert killed["killed"] and killed["step"] < 12, killed
+    assert "Resuming from the checkpoint" in run_command(long_argv(tiny_sft, cut, metrics), one_device_env).stdout
+    assert compare.bitwise_equal(checkpoint.load_params(long_whole_run[0]), checkpoint.load_params(cut))
+    assert without_times(long_whole_run[1]) == without_times(metrics)
+
+
+def test_cli_grpo_ctrl_c_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, tiny_sft, one_device_env,
+                                                                      long_whole_run):
+    """SIGINT from outside the process once step 5 is logged, off the save interval (4): the run
+    saves the step in flight, not step 4, exits 130 in one line, and resumes to the bits of a run
+    never stopped. (SIGTERM: in this process, below; both through a process: tests/test_cli.py, SFT.)"""
+    from tunix_nb import preempt
+
+    cut, metrics = tmp_path / "cut", tmp_path / "cut.jsonl"
+    stopped = preempt.run_and_signal(long_argv(tiny_sft, cut, metrics), metrics_file=metrics, signum=signal.SIGINT,
+                                     after_step=5, env=one_device_env, timeout=300)
+    assert stopped["returncode"] == 130, stopped["stderr"][-2000:]
+    saved = max(int(p.name) for p in cut.iterdir() if p.name.isdigit())
+    print(f"SIGINT after step {stopped['signalled_after']}: saved step {saved}")
+    assert stopped["signalled_after"] <= saved < 12  # the step in flight (the metrics file may lag a step)
+    assert f"Stopped by SIGINT after step {saved} of 12: saved step {saved}" in stopped["stdout"]
+    assert "Traceback" not in stopped["stderr"] and not list(cut.glob(f"*{preempt.TMP_SUFFIX}*"))
+    resumed = run_command(long_argv(tiny_sft, cut, metrics), one_device_env)
+    assert f"Resuming from the checkpoint at step {saved}" in resumed.stdout
+    assert compare.bitwise_equal(checkpoint.load_params(long_whole_run[0]), checkpoint.load_params(cut))
+    assert without_times(long_whole_run[1]) == without_times(metrics)
+
+
+def test_cli_grpo_sigterm_in_process_saves_the_step_it_finds_and_resumes_bitwise(tmp_path, tiny_sft, whole_run,
+                                                                                  capsys, monkeypatch):
+    """SIGTERM raised in cli.main's own process (as a notebook's kernel gets it) as step 1 is logged,
+    off the save interval (2): step 1 is saved, main returns 143, the handlers of before are back,
+    and the resumed run ends on the uninterrupted run's bits."""
     from tunix_nb import tracking
     from tunix_nb.cli.stop_signals import StopRequest
 
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert cli_module.main(grpo_argv(tiny_sft, whole, tmp_path / "whole.jsonl")) == 0
-    log = tracking.Trackers.log
+    cut, before, log = tmp_path / "cut", signal.getsignal(signal.SIGTERM), tracking.Trackers.log
 
     def log_and_signal(self, record):
         log(self, record)
         if record["step"] == 1:
-            handler = signal.getsignal(signum)
+            handler = signal.getsignal(signal.SIGTERM)
             assert isinstance(getattr(handler, "__self__", None), StopRequest), "the run's handler is not installed"
-            signal.raise_signal(signum)
+            signal.raise_signal(signal.SIGTERM)
 
     monkeypatch.setattr(tracking.Trackers, "log", log_and_signal)
-    assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == code
-    assert f"Stopped by {signal.Signals(signum).name} after step 1 of 4: saved step 1" in capsys.readouterr().out
+    assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == 143
+    assert "Stopped by SIGTERM after step 1 of 4: saved step 1" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before
     monkeypatch.setattr(tracking.Trackers, "log", log)
     assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == 0
     assert "Resuming from the checkpoint at step 1" in capsys.readouterr().out
-    assert compare.bitwise_equal(checkpoint.load_params(whole), checkpoint.load_params(cut))
-    assert without_times(tmp_path / "whole.jsonl") == without_times(tmp_path / "cut.jsonl")
+    assert compare.bitwise_equal(checkpoint.load_params(whole_run[0]), checkpoint.load_params(cut))
+    assert without_times(whole_run[1]) == without_times(tmp_path / "cut.jsonl")
