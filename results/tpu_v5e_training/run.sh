@@ -11,7 +11,7 @@
 #   RUNS picks the runs (default "full lora_r16"); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
 # On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
-#                      OUT=/tmp/check bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
+#                      OUT=$(mktemp -d) bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
 commit="${1:?give the commit the working tree is at}"
 runs="${RUNS:-full lora_r16}"
 if [ "${2:-}" = "--cpu-check" ]; then
