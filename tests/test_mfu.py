@@ -39,40 +39,37 @@ def test_bad_input_is_named():
 
 
 def _xla_flops(remat: bool, rank: int | None):
-    cfg = model.get_config(CONFIG, remat=remat)
-    graphdef, params = model.split(model.make_model(cfg, seed=0))
-    tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((BATCH, SEQ), np.float32),
-             "attention_mask": np.ones((BATCH, SEQ), np.int32)}
+    """XLA's FLOPs of the kit's SFT step (float32 on the CPU), compiled from shapes alone."""
+    graphdef, params = model.abstract_model(model.get_config(CONFIG, remat=remat))
+    batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("inputs", "targets", "loss_mask", "attention_mask")}
     optimizer = train.make_optimizer(train.OptimizerConfig(total_steps=100))
     if rank is None:
         step = train.make_step(sft.objective(graphdef, compute_dtype=np.float32), optimizer)
-        compiled = step.lower(params, optimizer.init(params), batch).compile()
+        compiled = step.lower(params, jax.eval_shape(optimizer.init, params), batch).compile()
         return compiled_cost(compiled)["flops"], None
-    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=rank)
-    step = train.make_step(lora.objective(sft.objective(lora_graphdef, compute_dtype=np.float32)), optimizer)
-    compiled = step.lower(adapters, optimizer.init(adapters), batch, lora.frozen(base)).compile()
+    built = {}
+
+    def adapt(p):  # qwix traced over shapes only, as the memory plan does
+        built["graphdef"], adapters, base = lora.apply(graphdef, p, rank=rank)
+        return adapters, base
+
+    adapters, base = jax.eval_shape(adapt, params)
+    step = train.make_step(lora.objective(sft.objective(built["graphdef"], compute_dtype=np.float32)), optimizer)
+    compiled = step.lower(adapters, jax.eval_shape(optimizer.init, adapters), batch, lora.frozen(base)).compile()
     return compiled_cost(compiled)["flops"], model.count_params(adapters)
 
 
-def test_the_count_agrees_with_xla_on_the_kit_s_step_and_remat_adds_a_forward():
+def test_the_count_agrees_with_xla_on_the_kit_s_step():
     """Without remat XLA's count of the compiled step (CPU) is the model count within 4%: XLA
     also counts the elementwise ops, the softmax and AdamW's update (and, with a frozen base,
-    skips the first block's input gradient, which nothing needs). With remat XLA's count holds
-    each block's forward again, less what the backward pass does not read (the down
-    projection's output), more its elementwise ops."""
+    skips the first block's input gradient, which nothing needs). With remat XLA counts each
+    block's forward again: tests/test_measure_command.py checks that through the command."""
     full, _ = _xla_flops(remat=False, rank=None)
-    model_full = mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ)
-    assert 1.0 <= full / model_full < 1.04
+    assert 1.0 <= full / mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ) < 1.04
     frozen, adapters = _xla_flops(remat=False, rank=8)
     assert adapters == 2 * 8 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 3 * (128 + 512))  # r x (in + out)
-    model_frozen = mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ, adapter_params=adapters)
-    assert 0.97 < frozen / model_frozen < 1.04
-    remat, _ = _xla_flops(remat=True, rank=None)
-    blocks_forward = 2 * (mfu.matmul_params(CONFIG) - 259 * 128) + mfu.attention_flops_per_token(CONFIG, SEQ) / 3
-    down_projections = 2 * 2 * 512 * 128
-    tokens = BATCH * SEQ
-    assert (blocks_forward - down_projections) * tokens < remat - full < 1.1 * blocks_forward * tokens
+    assert 0.97 < frozen / mfu.step_flops(CONFIG, batch=BATCH, seq_len=SEQ, adapter_params=adapters) < 1.04
 
 
 @pytest.mark.parametrize("kind, chip, peak", [
@@ -123,7 +120,7 @@ def test_the_chip_figure_is_model_flops_over_the_step_time_and_the_peak():
     """bench_mfu_on_chip itself, run on the CPU at a tiny size against a v5e's peak."""
     from tunix_nb.bench import mfu as group
 
-    config = model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+    config = model.ModelConfig(vocab_size=512, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
                                d_ff=128)
     fig = group.bench_mfu_on_chip(mfu.peak_for("TPU v5 lite"), 3, quick=True, config=config, batch=2,
                                   seq_len=64)["train_step_mfu"]
