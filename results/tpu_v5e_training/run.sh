@@ -10,6 +10,7 @@
 # Usage, on the chip:  bash results/tpu_v5e_training/run.sh COMMIT
 #   RUNS picks the runs (default "full lora_r16"); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
+#   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
 # On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
 #                      OUT=$(mktemp -d) bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
 commit="${1:?give the commit the working tree is at}"
@@ -18,7 +19,8 @@ if [ "${2:-}" = "--cpu-check" ]; then
     qwen=tiny; llama=tiny; batch=2; length=64; steps=4; run_limit=120
 else
     source results/lesson_runs/tpu_setup.sh
-    qwen=qwen3-0.6b; llama=llama-3.2-1b; batch=8; length=1024; steps=15; run_limit=270  # two runs a 10-minute call
+    qwen=qwen3-0.6b; llama=llama-3.2-1b; run_limit=270  # two runs a 10-minute call
+    batch="${BATCH:-8}"; length="${LENGTH:-1024}"; steps="${STEPS:-15}"  # BATCH=16 RUNS=full: a bigger batch
 fi
 : "${OUT:?set OUT to the folder the record goes to}"
 work="$(mktemp -d)"
