@@ -391,3 +391,64 @@ def test_exported_checkpoint_holds_no_machine_path_and_loads_without_commit_file
     assert not [p for p in out.rglob("*") if p.is_file() and str(tmp_path).encode() in p.read_bytes()]
     _, got, meta = checkpoint.load_model(out)
     assert meta["step"] == 7 and leaves_equal(got, params)
+
+
+# ------------------------------------------- the checksum gathers nothing
+
+
+def test_a_save_on_8_devices_checksums_each_shard_where_it_lives(tmp_path, monkeypatch):
+    """FSDP state on 8 simulated devices (1 MiB a shard, 8 MiB an array): a save copies no array whole
+    to the host (the checksum of before gathered each one), and the host memory it allocates
+    (tracemalloc's peak, around the save and its commit) stays under 2 shards. The checksum equals
+    the host copy's, and a restore onto the mesh verifies each array as each device read it."""
+    import tracemalloc
+
+    import optax
+    from jax._src import array as jax_array
+
+    mesh = parallel.make_mesh(8)
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {name: jax.random.normal(k, (8192, 256)) for name, k in zip("wv", keys)}
+    params = jax.device_put(params, parallel.fsdp_shardings(params, mesh))
+    opt_state = optax.adam(1e-3).init(params)
+    shard_bytes = max(s.data.nbytes for x in jax.tree.leaves((params, opt_state)) for s in x.addressable_shards)
+    assert shard_bytes == 8192 * 256 * 4 // 8 == 2**20  # every leaf split 8 ways
+    manager = checkpoint.make_manager(tmp_path / "run")
+    checkpoint.save(manager, 1, params=params, opt_state=opt_state, meta={})  # compiles, imports: not measured
+    manager.wait_until_finished()
+    # tracemalloc does not see JAX's own host buffers: list the arrays larger than a shard copied to the host
+    whole_copies, value = [], jax_array.ArrayImpl._value
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(
+        lambda x: (whole_copies.append(x.shape) if x.nbytes > shard_bytes else None, value.fget(x))[1]))
+    tracemalloc.start()
+    try:
+        checkpoint.save(manager, 2, params=params, opt_state=opt_state, meta={})
+        manager.wait_until_finished()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        monkeypatch.undo()
+    print(f"tracemalloc peak during a save: {peak / shard_bytes:.2f} shards ({peak:,} bytes); "
+          f"arrays copied whole to the host: {whole_copies}")
+    assert whole_copies == [] and peak <= 2 * shard_bytes
+    sums = checkpoint.load_meta(tmp_path / "run")["checksums"]
+    assert sums["params"] == checkpoint.checksum(jax.tree.map(np.asarray, params))
+    got, _, _ = checkpoint.restore(manager, params_like=params, opt_state_like=opt_state, mesh=mesh,
+                                   parallel_mode="fsdp")
+    assert leaves_equal(got, params) and got["w"].sharding.is_equivalent_to(params["w"].sharding, 2)
+
+
+def test_a_checkpoint_with_the_older_whole_array_checksum_is_still_verified(tmp_path, state):
+    params, opt_state = state
+    manager = saved_run(tmp_path / "run", state, steps=(2,), async_save=False)
+    meta_file = tmp_path / "run" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta["checksums"]["params"].startswith(checkpoint.CHECKSUM_PREFIX)
+    bumped = jax.tree.map(lambda x: x + 2, params)
+    meta["checksums"]["params"] = checkpoint._crc32_of_whole_arrays(bumped)  # as written before the prefix
+    meta_file.write_text(json.dumps(meta))
+    assert leaves_equal(checkpoint.restore(manager, params_like=params, opt_state_like=opt_state, step=2)[0], bumped)
+    meta["checksums"]["params"] = checkpoint._crc32_of_whole_arrays(params)  # other numbers: caught
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.DamagedCheckpointError, match="params read back with checksum"):
+        checkpoint.restore(manager, params_like=params, opt_state_like=opt_state, step=2)

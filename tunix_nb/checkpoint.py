@@ -7,8 +7,9 @@ holds these Orbax items:
 - `opt_state`: the optimizer state (including its step count, which drives the
   learning-rate schedule), restored into the structure of a fresh `opt.init`;
 - `rng` (optional): the raw data (`jax.random.key_data`) of a JAX key, see below;
-- `meta`: JSON with the step, the caller's run config and data seed, and a CRC32
-  checksum of each array item.
+- `meta`: JSON with the step, the caller's run config and data seed, and a checksum of
+  each array item (`checksum`: per array, a sum of position-keyed element hashes that each
+  device takes over the shards it holds, so nothing is gathered to checksum it).
 
 **RNG state.** Batches are a pure function of (seed, step) (`data.batch_at`) and the
 steps draw no random numbers (no dropout), so the data seed in `meta` and the step
@@ -32,7 +33,8 @@ it to `<k>` only when complete, so a save killed midway never looks like a check
 (Orbax replaces that temporary directory when it saves step k again). Files damaged
 *after* the commit are caught by Orbax/TensorStore when they no longer parse, and by
 the checksums when they still parse but hold other numbers (Orbax does not checksum
-array data). `restore`, `load_params`, `load_meta` and `load_model` then warn with the
+array data). A restore verifies each array as it was read, on whatever mesh it was read
+onto; checkpoints from before carry a CRC32 of each whole array, still verified as such. `restore`, `load_params`, `load_meta` and `load_model` then warn with the
 step and the error and fall back to the previous checkpoint (`newest_readable`, the one
 place that does this). Nothing here deletes a checkpoint except Orbax's retention of the
 newest `keep`; `set_aside` renames a damaged step out of Orbax's sight instead.
@@ -92,14 +94,91 @@ def _pure(params):
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
-def checksum(tree) -> str:
-    """CRC32 over every leaf's path, dtype, shape and bytes, in path order (8 hex digits).
+CHECKSUM_PREFIX = "mix32:"  # the per-shard checksum's values; plain 8 hex digits: the older whole-array CRC32
 
-    Independent of dict-key types, of nnx.State against its pure dict, and of where the
-    arrays live: a tree saved on 8 devices and read back on the host gives the same value
-    when the numbers are equal.
+
+def checksum(tree) -> str:
+    """A checksum of every leaf's path, dtype, shape and values ('mix32:' and 8 hex digits), the
+    same wherever the arrays live: on one device, sharded over a mesh, on the host.
+
+    Each array's value is a sum, modulo 2**32, of a hash of each element's bits and its
+    position in the whole array. A sum does not depend on the order it is taken in, so each
+    device hashes the shards it holds and the devices add their partial sums (one number an
+    array crosses devices or processes, never the array): a save checksums what each process
+    writes without gathering the model, and a restore onto another mesh checks each array as
+    it was read, whatever pieces each device read.
     """
-    # to_host all-gathers arrays split across processes: every process gets the same value
+    leaves = sorted((model.param_name(p), x) for p, x in jax.tree_util.tree_leaves_with_path(_pure(tree)))
+    sums = _array_sums([x for _, x in leaves])
+    crc = 0
+    for (name, x), total in zip(leaves, sums):
+        crc = zlib.crc32(f"{name}:{np.dtype(x.dtype).str}:{tuple(np.shape(x))}:{total};".encode(), crc)
+    return f"{CHECKSUM_PREFIX}{crc:08x}"
+
+
+def _array_sums(arrays) -> list[int]:
+    """Each array's position-keyed hash sum (`_hash_sum`), computed where its shards are: one
+    jitted call per set of devices the arrays live on (host arrays: the default device)."""
+    groups: dict = {}
+    for i, x in enumerate(arrays):
+        devices = frozenset(x.sharding.device_set) if isinstance(x, jax.Array) else None
+        groups.setdefault(devices, []).append(i)
+    sums = [0] * len(arrays)
+    for indices in groups.values():
+        group = [arrays[i] for i in indices]
+        for i, total in zip(indices, _hash_sums(group, out_shardings=_replicated_like(group[0]))):
+            sums[i] = int(total)
+    return sums
+
+
+def _replicated_like(x):
+    """A sharding that gives every process the result: replicated over x's mesh (None: jit's default)."""
+    if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def _hash_sums(arrays, out_shardings=None):
+    fn = jax.jit(lambda xs: jax.numpy.stack([_hash_sum(x) for x in xs]), out_shardings=out_shardings)
+    return np.asarray(fn(arrays)).tolist()
+
+
+def _hash_sum(x):
+    """sum over elements of mix(bits ^ mix(position)), uint32 arithmetic (wraps): fused by XLA
+    into one pass over each shard, with no array-sized temporaries."""
+    jnp = jax.numpy
+    bits = _as_uint32(jnp.asarray(x))
+    position = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(bits.ndim)):  # the element's index in the whole array, row-major
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
+    mixed = _mix32(bits ^ _mix32(position * jnp.uint32(0x9E3779B9) + jnp.uint32(0x85EBCA6B)))
+    return jnp.sum(mixed, dtype=jnp.uint32)
+
+
+def _as_uint32(x):
+    """The element bits as uint32 (64-bit elements: their two halves as a trailing axis of 2)."""
+    jnp = jax.numpy
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    width = np.dtype(x.dtype).itemsize
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _mix32(h):
+    """MurmurHash3's 32-bit finaliser: every input bit moves about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _crc32_of_whole_arrays(tree) -> str:
+    """The checksum of checkpoints written before the per-shard one: CRC32 of each whole array's
+    bytes (gathered to the host), read only to verify those checkpoints."""
     leaves = sorted((model.param_name(p), parallel.to_host(x)) for p, x in jax.tree_util.tree_leaves_with_path(_pure(tree)))
     crc = 0
     for name, a in leaves:
@@ -245,9 +324,11 @@ def _read_meta(manager, step: int) -> dict:
 
 def _verify(meta: dict, name: str, tree) -> None:
     saved = meta.get("checksums", {}).get(name)
-    if saved is not None and checksum(tree) != saved:
-        raise DamagedCheckpointError(
-            f"{name} read back with checksum {checksum(tree)}, but it was saved with {saved}")
+    if saved is None:
+        return
+    read = checksum(tree) if saved.startswith(CHECKSUM_PREFIX) else _crc32_of_whole_arrays(tree)
+    if read != saved:
+        raise DamagedCheckpointError(f"{name} read back with checksum {read}, but it was saved with {saved}")
 
 
 def _caller_outside_this_module() -> int:
