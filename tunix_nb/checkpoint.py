@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import logging
 import re
@@ -139,8 +140,14 @@ def _replicated_like(x):
 
 
 def _hash_sums(arrays, out_shardings=None):
-    fn = jax.jit(lambda xs: jax.numpy.stack([_hash_sum(x) for x in xs]), out_shardings=out_shardings)
-    return np.asarray(fn(arrays)).tolist()
+    return np.asarray(_hash_sums_program(out_shardings)(arrays)).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _hash_sums_program(out_shardings):
+    """One jitted function per output sharding, kept: a function made afresh at every save would
+    be traced and lowered again at every save (about 0.4 s a save for lesson 05's arrays)."""
+    return jax.jit(lambda xs: jax.numpy.stack([_hash_sum(x) for x in xs]), out_shardings=out_shardings)
 
 
 def _hash_sum(x):
