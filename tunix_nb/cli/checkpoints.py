@@ -73,7 +73,7 @@ def with_recorded_defaults(args, config: RunConfig) -> RunConfig:
     default resumes as it began. Values given as flags are checked by `open_checkpoints`."""
     from tunix_nb import checkpoint
 
-    if not (args.ckpt_dir and config.defaulted and Path(args.ckpt_dir).is_dir()):
+    if not (args.ckpt_dir and config.defaulted and _holds_saved_steps(Path(args.ckpt_dir))):
         return config
     with warnings.catch_warnings():  # a damaged newest step: open_checkpoints reports it
         warnings.simplefilter("ignore")
@@ -86,6 +86,17 @@ def with_recorded_defaults(args, config: RunConfig) -> RunConfig:
         print_once(f"--{name.replace('_', '-')}: {recorded}, as the run in --ckpt-dir {args.ckpt_dir} recorded it "
                    f"(today's default: {today})")
     return config
+
+
+def _holds_saved_steps(ckpt_dir: Path) -> bool:
+    """Whether --ckpt-dir holds a saved step (a folder named by its step number), by listing it.
+
+    Every process of a run gets the same answer: another process may already have created the
+    folder (its CheckpointManager does), but none can save before all have opened theirs. Opening
+    a reader to look would be one more Orbax barrier on this process alone, and the processes'
+    barriers would then pair up wrongly ("sync_global_devices name mismatch").
+    """
+    return ckpt_dir.is_dir() and any(entry.name.isdigit() and entry.is_dir() for entry in ckpt_dir.iterdir())
 
 
 def resume(manager, args, params, opt_state, run_key, mesh):
