@@ -59,13 +59,21 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_only(reason): asserts a fact of the CPU (8 simulated devices, XLA's "
-                                       "CPU code); skipped when the tests run on an accelerator")
+    config.addinivalue_line("markers", "cpu_only(reason): asserts a fact of the CPU (XLA's CPU code, the CPU "
+                                       "backend); skipped when the tests run on an accelerator")
+    config.addinivalue_line("markers", "needs_devices(n): compares n devices with one, or splits work over n; "
+                                       "skipped on an accelerator with fewer (one TPU chip, one GPU)")
 
 
 def pytest_runtest_setup(item):
+    import pytest
+
     marker = item.get_closest_marker("cpu_only")
     if marker is not None and ON_ACCELERATOR:
-        import pytest
-
         pytest.skip(f"CPU only: {marker.kwargs.get('reason') or (marker.args or [''])[0]}")
+    marker = item.get_closest_marker("needs_devices")
+    if marker is not None and ON_ACCELERATOR:
+        import jax
+
+        if jax.device_count() < marker.args[0]:
+            pytest.skip(f"needs {marker.args[0]} devices; this machine has {jax.device_count()}")

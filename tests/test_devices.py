@@ -16,16 +16,19 @@ def run_python(code: str, **env_changes) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.cpu_only(reason="the suite's 8 simulated CPU devices")
 def test_tests_see_eight_simulated_devices():
     assert jax.device_count() == 8
     assert jax.default_backend() == "cpu"
 
 
+@pytest.mark.cpu_only(reason="simulates CPU devices")
 def test_simulate_same_count_after_start_is_a_no_op():
     devices.simulate_cpu_devices(8)
     assert jax.device_count() == 8
 
 
+@pytest.mark.cpu_only(reason="simulates CPU devices")
 def test_simulate_other_count_after_start_says_restart():
     with pytest.raises(RuntimeError, match=r"already started with 8 cpu device\(s\).*Restart the kernel"):
         devices.simulate_cpu_devices(4)
@@ -136,6 +139,7 @@ def test_accelerator_hint(monkeypatch, env, expected):
     assert devices.accelerator_hint() == expected
 
 
+@pytest.mark.cpu_only(reason="describes the suite's 8 simulated CPU devices")
 def test_describe_is_one_line():
     line = devices.describe()
     assert "\n" not in line
@@ -198,6 +202,7 @@ def test_tpu_device_files_lists_accel_and_numbered_vfio(tmp_path):
     assert found == ["accel3", "vfio/12", "vfio/2"]
 
 
+@pytest.mark.needs_devices(8)
 def test_has_devices_says_what_to_do(capsys, monkeypatch):
     assert devices.has_devices(8) is True
     monkeypatch.setattr(jax, "device_count", lambda: 1)

@@ -173,6 +173,7 @@ def one_device_run(models):
 
 
 # pmap samples under jax.pmap; fsdp under shard_map on the mesh (as shard_map and dp do), with params all-gathered
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("parallel_mode", ["pmap", "fsdp"])
 def test_on_policy_distillation_on_8_devices_equals_1(models, one_device_run, parallel_mode):
     one, _, hist_one = one_device_run

@@ -105,6 +105,7 @@ def test_dtype_casts_and_none_keeps_the_files_dtype():
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
 
 
+@pytest.mark.needs_devices(8)
 def test_sharded_load_puts_each_slice_on_its_device_and_gives_the_same_logits(loaded):
     mesh = parallel.make_mesh()
     graphdef, params, _ = hf.load_pretrained(FIXTURES / "qwen3",

@@ -69,6 +69,7 @@ def _same_layout(a, b) -> bool:
     return all(x.sharding.is_equivalent_to(y.sharding, x.ndim) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.needs_devices(8)
 def test_the_saved_state_is_really_split_over_8_devices(saved):
     _, state, _, _, save_shardings = saved
     emb = jax.device_put(state[0]["embed"]["embedding"], save_shardings[0]["embed"]["embedding"])
@@ -77,6 +78,7 @@ def test_the_saved_state_is_really_split_over_8_devices(saved):
     assert float(np.abs(np.asarray(state[1][1][0].mu["embed"]["embedding"])).max()) > 0  # moments are not zeros
 
 
+@pytest.mark.needs_devices(8)
 def test_raw_standard_restore_into_sharded_structs_equals_the_kits_restore(saved):
     manager, state, params_like, opt, save_shardings = saved
     mine = _restore_by_hand(manager, state, save_shardings)
@@ -87,6 +89,7 @@ def test_raw_standard_restore_into_sharded_structs_equals_the_kits_restore(saved
     assert _same_layout(mine, kit)
 
 
+@pytest.mark.needs_devices(8)
 def test_fsdp_checkpoint_of_8_devices_restores_onto_4_bitwise(saved):
     manager, state, params_like, opt, save_shardings = saved
     mesh4 = _fsdp_mesh(4)

@@ -123,6 +123,7 @@ def _array_bytes(found, kind):
     return sum(comm_cost.array_bytes(*a) for a in found.get(kind, []) if a[1])  # scalars left out
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("mode", ["dp", "fsdp"])
 def test_the_compiled_steps_move_the_predicted_arrays(mode):
     """DP all-reduces the gradients; FSDP all-gathers every parameter once (kept for the
@@ -150,6 +151,7 @@ def test_the_compiled_steps_move_the_predicted_arrays(mode):
 # ------------------------------------------------------------------ XLA's argument bytes
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("mode", ["dp", "fsdp"])
 def test_xla_counts_the_arguments_as_the_devices_store_them(mode):
     """The lesson's check: a compiled step's argument bytes per device are the state and this device's

@@ -152,6 +152,7 @@ def test_adapter_training_under_every_strategy_matches_jit(lora_sft, lora_jit, m
     assert compare.relative_distance(adapters, lora_jit[0], lora_sft["adapters"]) <= LORA_BOUND
 
 
+@pytest.mark.needs_devices(8)
 def test_the_bound_fails_per_device_means_by_100x(lora_sft, lora_jit):
     def mean_per_device(params, batch, frozen):
         loss_sum, weight, metrics = lora_sft["objective"](params, batch, frozen)

@@ -59,6 +59,7 @@ def test_under_pmap_each_device_holds_the_state_and_its_share_of_the_batch(tiny)
     assert state - 64 <= result["alias_bytes"] <= state
 
 
+@pytest.mark.needs_devices(8)
 def test_a_mesh_step_is_analysed_on_its_mesh(tiny):
     _, params, opt, batch = tiny
     step = _step(tiny, "fsdp", True)

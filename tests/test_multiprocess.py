@@ -33,6 +33,7 @@ def _launch(args, lines, **kwargs) -> int:
 # ------------------------------------------------------------------ the 2x4 run against 1x8
 
 
+@pytest.mark.cpu_only(reason="processes of simulated CPU devices, started as children")
 def test_two_processes_save_resume_and_match_one_process(tmp_path, capsys):
     """2x4 fsdp, stopped at step 5 and resumed from the checkpoint both processes wrote,
     ends within 1e-5 of an uninterrupted 1x8 run; so does resuming that checkpoint in one
@@ -192,6 +193,7 @@ def test_without_launcher_a_lost_process_stops_the_others_by_heartbeat(tmp_path)
 # ------------------------------------------------------------------ pieces, on one process
 
 
+@pytest.mark.cpu_only(reason="processes of simulated CPU devices, started as children")
 def test_process_rows_and_place_batch_on_one_process():
     mesh = parallel.make_mesh()
     assert parallel.process_rows(mesh, 16) == slice(0, 16)  # one process loads every row
@@ -210,6 +212,7 @@ def test_batch_at_rows_loads_only_that_part():
     np.testing.assert_array_equal(part["a"], whole["a"][8:16])
 
 
+@pytest.mark.cpu_only(reason="processes of simulated CPU devices, started as children")
 def test_to_host_and_gather_whole_values():
     mesh = parallel.make_mesh()
     x = parallel.place_state({"w": np.arange(64.0).reshape(16, 4)}, mesh, "fsdp")["w"]

@@ -5,6 +5,7 @@ import pytest
 from tunix_nb import parallel
 
 
+@pytest.mark.needs_devices(8)
 def test_replicate_puts_one_copy_on_each_device_and_unreplicate_takes_it_back():
     tree = {"w": np.arange(6.0).reshape(2, 3), "b": np.float32(1.5)}
     rep = parallel.replicate(tree)
@@ -17,6 +18,7 @@ def test_replicate_puts_one_copy_on_each_device_and_unreplicate_takes_it_back():
     assert float(back["b"]) == 1.5
 
 
+@pytest.mark.needs_devices(8)
 def test_shard_batch_splits_rows_in_order():
     batch = {"x": np.arange(16 * 3).reshape(16, 3)}
     sharded = parallel.shard_batch(batch)
@@ -25,15 +27,18 @@ def test_shard_batch_splits_rows_in_order():
         np.testing.assert_array_equal(shard.data[0], batch["x"][2 * i: 2 * i + 2])
 
 
+@pytest.mark.needs_devices(8)
 def test_shard_batch_on_fewer_devices():
     assert parallel.shard_batch({"x": np.zeros((6, 2))}, n_devices=2)["x"].shape == (2, 3, 2)
 
 
+@pytest.mark.needs_devices(8)
 def test_batch_not_divisible_by_devices_names_both_numbers_and_the_fix():
     with pytest.raises(ValueError, match=r"batch of 12 rows does not divide by the 8 devices.*multiple of 8 \(e.g. 16\)"):
         parallel.shard_batch({"x": np.zeros((12, 4))})
 
 
+@pytest.mark.needs_devices(8)
 def test_more_devices_than_exist_is_a_clear_error():
     with pytest.raises(ValueError, match="Asked for 9 devices but JAX has 8"):
         parallel.replicate({"x": np.zeros(2)}, n_devices=9)

@@ -113,6 +113,7 @@ def _run(parallel_mode, objective, params, batch_fn, steps=4):
                      progress=False)[0]
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lesson03_pmap_equals_jit_like_with_like(student, dtype):
     """Lesson 03: pmap on 8 devices == jit on 1 within the policy's bound, at either compute

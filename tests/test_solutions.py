@@ -26,10 +26,12 @@ N = 8  # conftest.py simulates 8 CPU devices
 # ------------------------------------------------------------------ 00 devices and setup
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson00_ex1_psum_on_two_devices_gives_one_everywhere():
     np.testing.assert_array_equal(lesson00.psum_on_two_devices(), [1.0, 1.0])
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson00_ex2_pmean_and_all_gather_shapes():
     out = lesson00.pmean_and_all_gather()
     assert out["pmean"].shape == (N,) and out["all_gather"].shape == (N, N)
@@ -126,6 +128,7 @@ def test_lesson02_ex4_the_batch_order_moves_the_comparison():
     assert out[0]["distilled"] != out[1]["distilled"] and out[0]["hard"] != out[1]["hard"]
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson03_ex1_equal_token_counts_do_not_drift():
     out = lesson03.equal_token_counts_drift(steps=3)
     assert len(set(out["tokens_equal"])) == 1 and len(set(out["tokens_uneven"])) > 1
@@ -133,6 +136,7 @@ def test_lesson03_ex1_equal_token_counts_do_not_drift():
     assert out["uneven"] > 1e-3
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson03_ex2_the_token_metric_needs_a_psum():
     out = lesson03.global_token_count_metric()
     assert out["psum"] == out["global"]
@@ -221,6 +225,7 @@ def test_lesson06_ex1_check_vma_true_drops_only_the_gradient_psum():
     np.testing.assert_allclose(out["grad_ratio_with_psum"], out["devices"], rtol=1e-5)
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson06_ex2_empty_rows_pad_a_batch_without_changing_sft():
     out = lesson06.padded_batch_keeps_the_sft_loss(rows=12)
     assert "does not divide by the 8 devices" in out["refused"] and out["padded_rows"] == 16
@@ -229,12 +234,14 @@ def test_lesson06_ex2_empty_rows_pad_a_batch_without_changing_sft():
     assert abs(out["dpo_loss_padded"] - out["dpo_loss"]) > 1e-3  # per-example losses count the rows
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson06_ex3_a_minimum_size_keeps_norm_scales_whole_for_a_few_kilobytes():
     out = lesson06.fsdp_min_size_bytes(min_size=1024, preset="student")
     assert out["kept_whole"] and all(len(shape) == 1 for shape in out["kept_whole"])
     assert 0 < out["difference"] < 10_000
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson06_ex4_dp_all_reduces_once_fsdp_gathers_every_weight():
     out = lesson06.dp_against_fsdp(preset="tiny", repeats=3)
     assert out["dp"]["collectives"] == {"all-reduce": 1}
@@ -261,6 +268,7 @@ def test_lesson07_ex2_a_wider_model_does_more_matmul_work_per_token():
     assert all(math.isfinite(v["mfu"]) and v["mfu"] > 0 and v["seconds"] > 0 for v in out.values())
 
 
+@pytest.mark.needs_devices(8)
 def test_lesson07_ex3_the_allreduce_share_falls_with_the_global_batch():
     out = lesson07.allreduce_share_by_global_batch(global_batches=(16, 64), repeats=3)
     assert out["devices"] == N and set(out["measured"]) == {16, 64}

@@ -80,6 +80,7 @@ def test_sft_strategy_matches_single_device_after_10_steps(sft, sft_jit, mode):
     assert not any(x.is_deleted() for x in jax.tree.leaves(sft["params"]))  # donated copies only
 
 
+@pytest.mark.needs_devices(8)
 def test_dp_on_a_sub_mesh_with_donation_keeps_the_callers_arrays(sft, sft_jit):
     step = train.make_step(sft["objective"], sft["opt"], parallel_mode="dp", donate=True,
                            mesh=parallel.make_mesh(2))
@@ -148,6 +149,7 @@ def test_fsdp_rule_splits_the_largest_dimension_that_divides(shape, spec):
     assert parallel.fsdp_spec(shape, N) == spec
 
 
+@pytest.mark.needs_devices(8)
 def test_fsdp_really_shards_params_and_optimizer_state_and_keeps_them_sharded(sft):
     params, opt = sft["params"], sft["opt"]
     step = sft["steps"]["fsdp"]
@@ -165,6 +167,7 @@ def test_fsdp_really_shards_params_and_optimizer_state_and_keeps_them_sharded(sf
     assert metrics["loss"].sharding.is_fully_replicated
 
 
+@pytest.mark.needs_devices(8)
 def test_fsdp_holds_about_one_nth_per_device_of_what_dp_holds(sft):
     params, opt = sft["params"], sft["opt"]
     state = (params, opt.init(params))
@@ -182,6 +185,7 @@ def test_fsdp_holds_about_one_nth_per_device_of_what_dp_holds(sft):
 # --------------------------------------------------------------------- errors, misc
 
 
+@pytest.mark.needs_devices(8)
 def test_batch_not_divisible_by_the_mesh_gets_the_shard_batch_error(sft):
     with pytest.raises(ValueError, match=r"batch of 12 rows does not divide by the 8 devices.*multiple of 8 \(e.g. 16\)"):
         parallel.place_batch({"x": np.zeros((12, 4))}, parallel.make_mesh())
@@ -192,6 +196,7 @@ def test_batch_not_divisible_by_the_mesh_gets_the_shard_batch_error(sft):
                   progress=False)
 
 
+@pytest.mark.needs_devices(8)
 def test_mismatched_settings_are_refused(sft):
     with pytest.raises(ValueError, match="built for parallel_mode='fsdp' but run\\(\\) was given 'dp'"):
         train.run(sft["steps"]["fsdp"], sft["params"], None, lambda s: {}, steps=1, parallel_mode="dp")
