@@ -288,8 +288,9 @@ def test_ctrl_c_in_process_saves_the_step_in_flight_and_resumes_bitwise(tmp_path
     save interval (5): step 3, the one in flight (steps are dispatched before the last one is logged),
     is saved, main returns 130, the handler of before is back, and the resumed run ends on the bits
     and metrics of a run never stopped."""
+    from stop_signal_probe import signal_at_step
+
     from tunix_nb import tracking
-    from tunix_nb.cli.stop_signals import StopRequest
 
     def argv(name):
         return [*TINY, "--steps", "6", "--save-every", "5", "--ckpt-dir", str(tmp_path / name),
@@ -297,15 +298,7 @@ def test_ctrl_c_in_process_saves_the_step_in_flight_and_resumes_bitwise(tmp_path
 
     assert cli_module.main(argv("whole")) == 0
     before, log = signal.getsignal(signal.SIGINT), tracking.Trackers.log
-
-    def log_and_signal(self, record):
-        log(self, record)
-        if record["step"] == 2:
-            handler = signal.getsignal(signal.SIGINT)
-            assert isinstance(getattr(handler, "__self__", None), StopRequest), "the run's handler is not installed"
-            signal.raise_signal(signal.SIGINT)
-
-    monkeypatch.setattr(tracking.Trackers, "log", log_and_signal)
+    signal_at_step(monkeypatch, signal.SIGINT, step=2)
     assert cli_module.main(argv("cut")) == 130
     assert "Stopped by SIGINT after step 3 of 6: saved step 3" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGINT) is before

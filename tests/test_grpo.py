@@ -426,19 +426,12 @@ def test_cli_grpo_sigterm_in_process_saves_the_step_it_finds_and_resumes_bitwise
     """SIGTERM raised in cli.main's own process (as a notebook's kernel gets it) as step 1 is logged,
     off the save interval (2): step 1 is saved, main returns 143, the handlers of before are back,
     and the resumed run ends on the uninterrupted run's bits."""
+    from stop_signal_probe import signal_at_step
+
     from tunix_nb import tracking
-    from tunix_nb.cli.stop_signals import StopRequest
 
     cut, before, log = tmp_path / "cut", signal.getsignal(signal.SIGTERM), tracking.Trackers.log
-
-    def log_and_signal(self, record):
-        log(self, record)
-        if record["step"] == 1:
-            handler = signal.getsignal(signal.SIGTERM)
-            assert isinstance(getattr(handler, "__self__", None), StopRequest), "the run's handler is not installed"
-            signal.raise_signal(signal.SIGTERM)
-
-    monkeypatch.setattr(tracking.Trackers, "log", log_and_signal)
+    signal_at_step(monkeypatch, signal.SIGTERM, step=1)
     assert cli_module.main(grpo_argv(tiny_sft, cut, tmp_path / "cut.jsonl")) == 143
     assert "Stopped by SIGTERM after step 1 of 4: saved step 1" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is before
