@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from tunix_nb import devices
 
 # The exercises' solutions live beside the lessons, in notebooks/solutions/.
@@ -22,9 +24,37 @@ ON_ACCELERATOR = os.environ.get("TUNIX_NB_TEST_ON_ACCELERATOR") == "1"
 if not ON_ACCELERATOR:
     os.environ["JAX_PLATFORMS"] = "cpu"
     devices.simulate_cpu_devices(N_TEST_DEVICES)
+else:
+    import jax
+
+    jax.devices()  # this process opens the chip now, before its children's platform is set below
+    # One process at a time can hold a TPU: the processes the tests start (the training
+    # command, launches, probes) run JAX on the CPU, with the CPU suite's simulated devices.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = devices._with_device_count_flag(os.environ.get("XLA_FLAGS", ""), N_TEST_DEVICES)
+    # The session's precision, for module-scoped fixtures too (see agreement_precision_on_accelerators)
+    from tunix_nb import compare
+
+    compare.use_agreement_precision()
 # Programs compiled once are read back by every later process (workers, kernels, the
 # training command's runs) and by the next run of the suite: see devices.use_compile_cache.
 devices.use_compile_cache()
+
+
+@pytest.fixture(autouse=True)
+def agreement_precision_on_accelerators():
+    """The unit tests are agreement checks, so on a TPU or GPU each runs under the precision
+    policy of tunix_nb.compare: float32 compute and float32 matmuls at float32's precision, as
+    a CPU computes anyway (a TPU would multiply float32 in bfloat16 passes, and "auto" would
+    compute in bfloat16). Tests of bfloat16 itself ask for it by name. Set for the whole session
+    above, and again around each test, so that a test that changes it changes no other."""
+    if not ON_ACCELERATOR:
+        yield
+        return
+    from tunix_nb import compare
+
+    with compare.agreement_precision():
+        yield
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -58,14 +58,14 @@ def test_bound_adds_the_backends_functions():
 
 def test_agreement_precision_sets_float32_and_restores():
     before = precision.resolve_compute_dtype("auto")
-    precision.set_auto_compute_dtype("bfloat16")
+    previous = precision.set_auto_compute_dtype("bfloat16")
     try:
         with compare.agreement_precision():
             assert precision.resolve_compute_dtype("auto") is None  # float32
             assert jax.config.jax_default_matmul_precision == "highest"
         assert precision.resolve_compute_dtype("auto") == "bfloat16"
     finally:
-        precision.set_auto_compute_dtype(None)
+        precision.set_auto_compute_dtype(previous)
     assert precision.resolve_compute_dtype("auto") == before
     with pytest.raises(ValueError, match="float32"):
         precision.set_auto_compute_dtype("float16")
