@@ -396,6 +396,7 @@ def test_exported_checkpoint_holds_no_machine_path_and_loads_without_commit_file
 # ------------------------------------------- the checksum gathers nothing
 
 
+@pytest.mark.needs_devices(8)
 def test_a_save_on_8_devices_checksums_each_shard_where_it_lives(tmp_path, monkeypatch):
     """FSDP state on 8 simulated devices (1 MiB a shard, 8 MiB an array): a save copies no array whole
     to the host (the checksum of before gathered each one), and the host memory it allocates

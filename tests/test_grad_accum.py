@@ -156,7 +156,9 @@ def test_the_training_command_accumulates_to_the_same_run(tiny, tmp_path, capsys
     from tunix_nb import checkpoint
     from tunix_nb import cli as cli_module
 
-    base = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "6", "--save-every", "3"]
+    # float32 compute, as every agreement check (tunix_nb.compare); "auto" is bfloat16 on a TPU
+    base = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "6", "--save-every", "3",
+            "--compute-dtype", "float32"]
     assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "whole")]) == 0
     assert cli_module.main([*base, "--grad-accum", "4", "--ckpt-dir", str(tmp_path / "accum")]) == 0
     graphdef, params = tiny

@@ -94,16 +94,27 @@ def test_lesson02_hand_built_loss_like_with_like(student, sft_batch, dtype):
         pkg = float(distill.objective(s_gd, t_gd, compute_dtype=dtype)(s_params, sft_batch, t_params)[0])
     # bfloat16 on both sides rounds alike, so the float32 bound holds there too
     assert abs(mine - pkg) <= bound * abs(pkg)
-    if dtype == "bfloat16":
-        f32 = float(distill.objective(s_gd, t_gd, compute_dtype="float32")(s_params, sft_batch, t_params)[0])
-        assert abs(f32 - pkg) > bound * abs(pkg)  # unlike with unlike: outside the float32 bound
-    else:
+    if dtype == "float32":
         s_logits = model.apply(s_gd, s_params, sft_batch["inputs"], sft_batch["attention_mask"])
         t_logits = model.apply(t_gd, t_params, sft_batch["inputs"], sft_batch["attention_mask"])
         soft = losses.distillation_loss(s_logits, t_logits, sft_batch["targets"], sft_batch["loss_mask"],
                                         temperature=2.0, alpha=1.0)[0] * B
         wrong = mine - 0.5 * float(soft) * (1 - 1 / 4)  # the soft term without its T^2 = 4
         assert abs(wrong - pkg) >= 100 * bound * abs(pkg)
+
+
+@pytest.mark.cpu_only(reason="a TPU's float32 log (3,100 eps) widens the float32 bound past this loss's "
+                              "bfloat16-float32 gap: measured 2.2e-4 against a bound of 1.0e-3 there")
+def test_lesson02_unlike_with_unlike_falls_outside_the_float32_bound(student, sft_batch):
+    """Why "like with like": the package's loss at bfloat16 against the same at float32 differs
+    by more than float32 rounding explains, so a check across the two would fail for no fault."""
+    t_gd, t_params = distill.load_teacher()
+    s_gd, s_params = student
+    bound = compare.float32_bound(sft_batch["inputs"].shape[0] * data.DEFAULT_SEQ_LEN, transcendentals={"exp": 2, "log": 2})
+    with compare.agreement_precision():
+        loss = {dtype: float(distill.objective(s_gd, t_gd, compute_dtype=dtype)(s_params, sft_batch, t_params)[0])
+                for dtype in ("float32", "bfloat16")}
+    assert abs(loss["float32"] - loss["bfloat16"]) > bound * abs(loss["bfloat16"])
 
 
 def _run(parallel_mode, objective, params, batch_fn, steps=4):
@@ -254,18 +265,19 @@ def test_lesson11_gkd_loss_by_hand_like_with_like(student):
 
 def test_lesson12_chunked_log_probs_bound_catches_a_dropped_chunk():
     """Lesson 12: chunked log-probs == the full log-softmax within the bound; a sum that
-    drops the last chunk of the vocabulary (the known-wrong version) is over 100x outside."""
+    drops the last chunk of the vocabulary (the known-wrong version, here the ragged 488 of 1000
+    entries after a chunk of 512) is over 100x outside, also with a TPU's float32 log."""
     from tunix_nb import vocab_chunks
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     h_BxLxD, w_VxD = jax.random.normal(k1, (2, 5, 16)), jax.random.normal(k2, (1000, 16))
-    targets_BxL = jax.random.randint(k3, (2, 5), 0, 768)
+    targets_BxL = jax.random.randint(k3, (2, 5), 0, 512)
     with compare.agreement_precision():
         head = model.OutputHead(lambda x: x @ w_VxD.T, w_VxD, None)
-        kit = vocab_chunks.token_log_probs(h_BxLxD, head, targets_BxL, jnp.ones((2, 5)), chunks=vocab_chunks.Chunking(256))
+        kit = vocab_chunks.token_log_probs(h_BxLxD, head, targets_BxL, jnp.ones((2, 5)), chunks=vocab_chunks.Chunking(512))
         logits_BxLxV = h_BxLxD @ w_VxD.T
         pick = lambda lp: jnp.take_along_axis(lp, targets_BxL[..., None], -1)[..., 0]
         full = pick(jax.nn.log_softmax(logits_BxLxV))
-        dropped = pick(jax.nn.log_softmax(logits_BxLxV[..., :768]))  # the last 232 entries left out
+        dropped = pick(jax.nn.log_softmax(logits_BxLxV[..., :512]))  # the last chunk left out
     bound = (compare.float32_bound(16, transcendentals={"exp": 1}) * float(jnp.abs(logits_BxLxV).max())
              + compare.float32_bound(1000, transcendentals={"log": 1}) * float(np.log(1000)))
     assert float(jnp.abs(kit - full).max()) <= bound

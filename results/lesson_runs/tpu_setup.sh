@@ -10,6 +10,9 @@ SITE="${TMPDIR:-/tmp}/tunix_site"
 grep -v -E '^(jax|jaxlib|scipy)==' requirements-lessons.txt | grep -E '^[A-Za-z]' > "$SITE.pins"
 echo "ipython" >> "$SITE.pins"
 echo "pytest-timeout" >> "$SITE.pins"
+# what the unit tests import beyond the lessons (requirements.txt brings them with Jupyter)
+echo "nbformat" >> "$SITE.pins"
+echo "httpx" >> "$SITE.pins"
 [ -d "$SITE/flax" ] || PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
     --index-url file:///opt/pypi/simple --find-links .whl-tpu --target "$SITE" -r "$SITE.pins" 2>&1 | grep -v -i warning || true
 # pip brings its own jax, jaxlib and numpy along: the machine's own stay
