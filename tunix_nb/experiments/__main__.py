@@ -10,6 +10,9 @@ data/long_teacher) and prints the student's pilot gate; with `--family count`, t
 family's three (`count_family`, into data/count_student, data/count_teacher and
 data/count_small_student); with `--family count14`, the fixed-length count family's student
 (`count14_family`, into data/count14_student).
+
+`python -m tunix_nb.experiments summarise RECORD.json ...` recomputes each stored record's
+summary from its runs, after a change to the statistics (`stats`), and writes it back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ COUNT_FAMILIES = {"count": "count_family", "count14": "count14_family"}  # `--fa
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["summarise"]:
+        return resummarise(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m tunix_nb.experiments", description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "checkpoints"],
                         help="which lesson's experiment to run, or `checkpoints` to remake the long family's")
@@ -57,6 +63,28 @@ def main(argv=None) -> int:
     record["summary"] = module.summarise(record)
     print(f"wrote {runner.save(record, args.out)}")
     Path(f"{args.out}.partial").unlink(missing_ok=True)
+    return 0
+
+
+def resummarise(paths: list[str]) -> int:
+    """Each record's summary, recomputed from its runs by its experiment's `summarise`."""
+    import json
+
+    from tunix_nb.experiments import runner
+
+    if not paths:
+        print("usage: python -m tunix_nb.experiments summarise RECORD.json ...", file=sys.stderr)
+        return 2
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        if record.get("experiment") not in EXPERIMENTS:
+            print(f"{path}: not an experiment record (its 'experiment' is {record.get('experiment')!r}); "
+                  f"expected one of {', '.join(sorted(EXPERIMENTS))}", file=sys.stderr)
+            return 2
+        module = importlib.import_module(f"tunix_nb.experiments.{EXPERIMENTS[record['experiment']]}")
+        record["summary"] = module.summarise(record)
+        runner.save(record, path)
+        print(f"summarised {path}")
     return 0
 
 
