@@ -140,6 +140,22 @@ def test_the_training_command_takes_remat_and_resumes_either_way(tmp_path):
                                 checkpoint.load_params(tmp_path / "remat")) <= 1e-6
 
 
+def test_the_training_command_scans_its_layers_on_request_and_resumes_either_way(tmp_path):
+    """--scan-layers runs the blocks as one scan (the built model says so); the same update, so a
+    run stopped with it continues without it to the bits of a plain run on the CPU."""
+    from tunix_nb import checkpoint
+    from tunix_nb import cli as cli_module
+    from tunix_nb.cli import models as cli_models
+
+    base = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "4", "--save-every", "2"]
+    graphdef, params, _ = cli_models.build_model(cli_module.config_from_argv([*base, "--scan-layers", "--remat"]))
+    assert (model.nnx.merge(graphdef, params).cfg.scan_layers, model.nnx.merge(graphdef, params).cfg.remat) == (True, True)
+    assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "plain")]) == 0
+    assert cli_module.main([*base, "--scan-layers", "--stop-after", "2", "--ckpt-dir", str(tmp_path / "scan")]) == 0
+    assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "scan")]) == 0
+    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "plain"), checkpoint.load_params(tmp_path / "scan"))
+
+
 def test_spread_and_per_round_ratios():
     s = bench.spread([3.0, 1.0, 2.0, 4.0])
     assert s == {"median": 2.5, "q25": 1.75, "q75": 3.25, "min": 1.0, "max": 4.0, "rounds": 4}

@@ -8,7 +8,8 @@
 # log tail in $OUT/<run>.log. The machine has no .git: the commit comes as an argument.
 #
 # Usage, on the chip:  bash results/tpu_v5e_training/run.sh COMMIT
-#   RUNS picks the runs (default "full lora_r16"); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
+#   RUNS picks the runs (default "full lora_r16"); full_scan and lora_r16_scan add --scan-layers
+#   (the blocks as one scan: the compile against depth); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
 # On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
@@ -26,9 +27,9 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 export TUNIX_NB_COMPILE_CACHE="$work/jax_cache"  # a cold cache: the compile is measured, not read back
-folder_of() { case "$1" in full|lora_r16) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
+folder_of() { case "$1" in full|lora_r16|full_scan|lora_r16_scan) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
 for run in $runs; do  # each model's folder once, with random weights
-    name="$(folder_of "$run")" || { echo "unknown run $run: choose from full lora_r16 llama_qlora_r16" >&2; exit 2; }
+    name="$(folder_of "$run")" || { echo "unknown run $run: choose from full lora_r16 full_scan lora_r16_scan llama_qlora_r16" >&2; exit 2; }
     preset="$qwen"; [ "$name" = llama ] && preset="$llama"
     [ -d "$work/$name" ] || python -m tunix_nb.random_checkpoint --preset "$preset" --out "$work/$name" || exit 1
 done
@@ -48,6 +49,8 @@ for run in $runs; do
     case "$run" in
         full) extra=(--model "$work/qwen") ;;
         lora_r16) extra=(--model "$work/qwen" --lora-rank 16) ;;
+        full_scan) extra=(--model "$work/qwen" --scan-layers) ;;
+        lora_r16_scan) extra=(--model "$work/qwen" --lora-rank 16 --scan-layers) ;;
         llama_qlora_r16) extra=(--model "$work/llama" --lora-rank 16 --quantize nf4) ;;
     esac
     timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" -- "${common[@]}" "${extra[@]}" \

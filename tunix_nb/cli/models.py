@@ -77,7 +77,7 @@ def build_model(config: RunConfig):
     from tunix_nb.tokenizer import ByteTokenizer, HFTokenizer
 
     if config.model_dir is None:
-        graphdef, params = model.split(model.make_model(config.model, seed=config.seed, remat=config.training.remat))
+        graphdef, params = model.split(model.make_model(config.model, seed=config.seed))
         tokenizer = ByteTokenizer()
     else:
         try:
@@ -85,8 +85,7 @@ def build_model(config: RunConfig):
             tokenizer = HFTokenizer.from_dir(config.model_dir)
         except (hf.CheckpointError, FileNotFoundError, ValueError) as err:
             raise FlagError(f"--model {config.source.model}: {err}")
-        if config.training.remat:
-            graphdef, params = _rematerialised(graphdef, params)
+    graphdef, params = _with_layer_options(graphdef, params, config.training)
     init_from = getattr(config.method, "init_from", None)
     if init_from:  # dpo, grpo: the policy and the reference start from the SFT checkpoint (distill: if given)
         params = checkpoint.params_into(params, checkpoint.load_params(init_from))
@@ -97,9 +96,13 @@ def build_model(config: RunConfig):
     return graphdef, params, tokenizer
 
 
-def _rematerialised(graphdef, params):
+def _with_layer_options(graphdef, params, training):
+    """The model with --remat and --scan-layers set in its config: how the blocks run, not
+    what they compute, so the parameters are untouched."""
     from flax import nnx
 
+    if not (training.remat or training.scan_layers):
+        return graphdef, params
     module = nnx.merge(graphdef, params)
-    module.cfg = dataclasses.replace(module.cfg, remat=True)
+    module.cfg = dataclasses.replace(module.cfg, remat=training.remat, scan_layers=training.scan_layers)
     return nnx.split(module)

@@ -183,6 +183,10 @@ class TrainingConfig:
                          help="rematerialise each block: keep only its input for the backward pass and "
                               "recompute the rest, trading about one more forward pass for activation memory "
                               "(the same update; a run may resume with or without it)")
+    scan_layers: bool = option(False, switch=True, run_defining=False,
+                               help="run the blocks as one scan over their stacked parameters: the compiled "
+                                    "step holds one block instead of one per layer, so it compiles faster for "
+                                    "deep models (the same update; a run may resume with or without it)")
     compute_dtype: str = option("auto", choices=COMPUTE_DTYPES,
                                 help="auto: float32 on CPU, bfloat16 on TPU and on GPUs with native bfloat16 "
                                      "(compute capability 8.0 and up), float32 on older GPUs such as the T4 "
