@@ -515,3 +515,64 @@ def test_summarise_rewrites_a_records_summary_from_its_runs(tmp_path, capsys):
     (tmp_path / "other.json").write_text(json.dumps({"experiment": "lesson99"}))
     assert experiments_cli.main(["summarise", str(tmp_path / "other.json")]) == 2
     assert "not an experiment record" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ lesson 02's rerun options
+
+
+def test_lesson02_options_refuse_what_they_cannot_run():
+    from tunix_nb.experiments import scarce_labels
+
+    with pytest.raises(ValueError, match="eval_split"):
+        scarce_labels.ScarceLabelsConfig(eval_split="train")
+    with pytest.raises(ValueError, match="labelled_pool=500 holds fewer prompts than the largest label count 1000"):
+        scarce_labels.ScarceLabelsConfig(labelled_pool=500)
+    with pytest.raises(ValueError, match="'arm=value' items"):
+        scarce_labels.ScarceLabelsConfig(learning_rates="students=1e-2")
+    config = scarce_labels.ScarceLabelsConfig(learning_rates="labels=1e-2, distilled=1e-3")
+    assert [config.learning_rate_of(arm) for arm in scarce_labels.ARMS] == [1e-2, 3e-3, 1e-3]
+
+
+def test_lesson02_seeds_draw_their_own_labelled_prompts_from_a_pool():
+    """With labelled_pool, each seed trains on its own n of the pool (every arm of the seed on the
+    same n, nested as n grows); without it, every seed on the pool's first n, as the stored run."""
+    from tunix_nb.experiments import scarce_labels
+
+    shared = {"labelled": [{"prompt": str(i)} for i in range(50)]}
+    fixed = scarce_labels.ScarceLabelsConfig()
+    pooled = scarce_labels.ScarceLabelsConfig(label_counts=(10, 30), labelled_pool=50)
+    assert scarce_labels.labelled_examples(shared, 10, 3, fixed) == shared["labelled"][:10]
+    draws = [scarce_labels.labelled_examples(shared, 10, seed, pooled) for seed in range(3)]
+    assert draws[0] == scarce_labels.labelled_examples(shared, 10, 0, pooled)  # the same for every arm
+    assert draws[0] != draws[1] != draws[2] and len({e["prompt"] for e in draws[1]}) == 10
+    assert scarce_labels.labelled_examples(shared, 30, 1, pooled)[:10] == draws[1]
+
+
+def test_set_reads_tuples_and_per_arm_learning_rates():
+    from tunix_nb.experiments import __main__ as experiments_cli
+    from tunix_nb.experiments import scarce_labels
+
+    config = experiments_cli.configured(scarce_labels.ScarceLabelsConfig,
+                                        ["label_counts=100,300", "learning_rates=labels=1e-2", "eval_split=validation"])
+    assert config.label_counts == (100, 300) and config.learning_rate_of("labels") == 1e-2
+    with pytest.raises(ValueError, match="label_counts must be tuple"):
+        experiments_cli.configured(scarce_labels.ScarceLabelsConfig, ["label_counts=100,many"])
+
+
+def test_a_lesson02_pilot_scores_validation_prompts_only(tmp_path):
+    """eval_split=validation: each run's scores and teacher agreement are over the validation
+    prompts (the test prompts are never generated for), at each arm's own learning rate."""
+    import json
+
+    from tunix_nb.experiments import __main__ as experiments_cli
+
+    out = tmp_path / "pilot.json"
+    settings = ["label_counts=4", "labelled_pool=8", "unlabelled=8", "val_prompts=6", "test_prompts=5", "steps=2",
+                "eval_every=1", "batch_size=4", "eval_split=validation", "learning_rates=labels=1e-2"]
+    assert experiments_cli.main(["lesson02_distillation", "--seeds", "2", "--out", str(out),
+                                 *(arg for s in settings for arg in ("--set", s))]) == 0
+    record = json.loads(out.read_text())
+    runs = record["runs"]["labels=4"]
+    assert all(len(run["scores"]) == len(run["agrees_with_teacher"]) == 6 for arm in runs.values() for run in arm)
+    assert [point["step"] for point in runs["labels"][0]["curve"]] == [1, 2]
+    assert record["config"]["learning_rates"] == "labels=1e-2" and record["config"]["labelled_pool"] == 8

@@ -96,9 +96,14 @@ def configured(config_class, assignments: list[str]):
         name, sep, value = text.partition("=")
         if not sep or name not in fields:
             raise ValueError(f"--set {text}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
-        kind = type(getattr(config_class(), name))
+        default = getattr(config_class(), name)
+        kind = type(default)
         try:
-            changes[name] = read_bool(value) if kind is bool else kind(value)
+            if kind is tuple:  # "100,300": each item read as the default's items are
+                item_kind = type(default[0]) if default else str
+                changes[name] = tuple(item_kind(v) for v in value.split(","))
+            else:
+                changes[name] = read_bool(value) if kind is bool else kind(value)
         except ValueError:
             raise ValueError(f"--set {text}: {name} must be {kind.__name__}, got {value!r}") from None
     return config_class(**changes)

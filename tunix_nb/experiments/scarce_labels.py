@@ -14,6 +14,12 @@ matters). Three students, each from the same initialisation per seed:
 the gain of soft targets over the same teacher-labelled prompts. Every run picks its
 reporting step on a validation split (the best validation exact match of its checkpoints)
 and is scored on test prompts never used for a choice.
+
+Options for the reruns (issue 49), each off by default, where the stored record was made:
+`labelled_pool` lets each seed draw its labelled prompts from a larger labelled pool (the
+test set stays fixed), `learning_rates` gives each arm its own learning rate (chosen on
+validation from one grid), and `eval_split="validation"` makes a pilot that never touches
+the test prompts.
 """
 
 from __future__ import annotations
@@ -42,6 +48,38 @@ class ScarceLabelsConfig:
     temperature: float = 2.0
     alpha: float = 0.5  # the labelled rows' mix of soft and hard terms (lesson 02's)
     pool_seed: int = 777  # the fresh prompts: none is in the shipped files
+    # 0: every seed's n labelled prompts are the pool's first n (the stored run); N: a pool of N
+    # labelled prompts, from which each seed draws its own n, so the seeds vary the data too
+    labelled_pool: int = 0
+    # "" : every arm at learning_rate; "labels=1e-2,distilled=3e-3": those arms at their own
+    learning_rates: str = ""
+    eval_split: str = "test"  # "validation" for pilots: settings are chosen there, never on the test prompts
+
+    def __post_init__(self):
+        if self.eval_split not in ("test", "validation"):
+            raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
+        if self.labelled_pool and self.labelled_pool < max(self.label_counts):
+            raise ValueError(f"labelled_pool={self.labelled_pool} holds fewer prompts than the largest label count "
+                             f"{max(self.label_counts)}; make it at least that, or 0 for the first n of a fixed pool.")
+        arm_learning_rate(self, ARMS[0])  # a malformed learning_rates fails here, before any run
+
+    def learning_rate_of(self, arm: str) -> float:
+        return arm_learning_rate(self, arm)
+
+
+def arm_learning_rate(config: ScarceLabelsConfig, arm: str) -> float:
+    """`arm`'s learning rate: its entry in `learning_rates` ("arm=value,..."), else `learning_rate`."""
+    chosen = {}
+    for item in filter(None, (part.strip() for part in config.learning_rates.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            if not sep or name not in ARMS:
+                raise ValueError
+            chosen[name] = float(value)
+        except ValueError:
+            raise ValueError(f"learning_rates={config.learning_rates!r}: expected 'arm=value' items joined by "
+                             f"commas, with arms from {', '.join(ARMS)}, e.g. 'labels=1e-2,distilled=3e-3'") from None
+    return chosen.get(arm, config.learning_rate)
 
 
 def settings(config: ScarceLabelsConfig) -> list[str]:
@@ -53,22 +91,33 @@ def prepare(config: ScarceLabelsConfig) -> dict:
     from tunix_nb import data, distill, evaluate
 
     shipped = [e["prompt"] for e in data.load_sft() + data.load_sft(data.DATA_DIR / "sft_eval.jsonl")]
-    n_labelled = max(config.label_counts)
+    n_labelled = config.labelled_pool or max(config.label_counts)
     pool = data.generate_sft(n_labelled + config.unlabelled + config.val_prompts + config.test_prompts,
                              seed=config.pool_seed, exclude=shipped)
     cuts = np.cumsum([n_labelled, config.unlabelled, config.val_prompts])
     labelled, unlabelled, val, test = np.split(np.array(pool, dtype=object), cuts)
     teacher_graphdef, teacher_params = distill.load_teacher()
     answers = evaluate.generate_answers(teacher_graphdef, teacher_params, [e["prompt"] for e in unlabelled])
-    test_answers = evaluate.generate_answers(teacher_graphdef, teacher_params, [e["prompt"] for e in test])
+    scored = {"test": list(test), "validation": list(val)}[config.eval_split]
+    scored_answers = evaluate.generate_answers(teacher_graphdef, teacher_params, [e["prompt"] for e in scored])
     return {"labelled": list(labelled), "teacher_examples": [dict(e, completion=a) for e, a in zip(unlabelled, answers)],
-            "val": list(val), "test": list(test), "teacher": (teacher_graphdef, teacher_params),
-            "teacher_test_answers": test_answers}
+            "val": list(val), "test": scored, "teacher": (teacher_graphdef, teacher_params),
+            "teacher_test_answers": scored_answers}
 
 
-def training_rows(arm: str, n_labels: int, shared: dict) -> dict:
-    """The arm's rows; `own_sample` 1 marks rows whose answer is the teacher's, not a label
-    (`distill.objective` trains those on the soft term alone)."""
+def labelled_examples(shared: dict, n_labels: int, seed: int, config: ScarceLabelsConfig) -> list:
+    """The n labelled prompts a seed trains on: the pool's first n, or with `labelled_pool` its
+    own draw of n from the whole pool (the same draw for every arm of the seed)."""
+    if not config.labelled_pool:
+        return shared["labelled"][:n_labels]
+    order = np.random.default_rng([config.pool_seed, seed]).permutation(len(shared["labelled"]))
+    return [shared["labelled"][i] for i in order[:n_labels]]
+
+
+def training_rows(arm: str, n_labels: int, shared: dict, *, labelled: list | None = None) -> dict:
+    """The arm's rows: the labelled examples (`labelled`, or the pool's first `n_labels`), and
+    for the teacher arms the teacher-answered prompts; `own_sample` 1 marks rows whose answer is
+    the teacher's, not a label (`distill.objective` trains those on the soft term alone)."""
     from tunix_nb import data
     from tunix_nb.tokenizer import ByteTokenizer
 
@@ -77,7 +126,7 @@ def training_rows(arm: str, n_labels: int, shared: dict) -> dict:
         r["own_sample"] = np.full(len(examples), float(teachers), np.float32)
         return r
 
-    labelled = rows(shared["labelled"][:n_labels], False)
+    labelled = rows(shared["labelled"][:n_labels] if labelled is None else labelled, False)
     if arm == "labels":
         return labelled
     # an empty teacher answer still trains: eos alone is its answer
@@ -87,16 +136,17 @@ def training_rows(arm: str, n_labels: int, shared: dict) -> dict:
 
 
 def run_arm(arm: str, seed: int, config: ScarceLabelsConfig, shared: dict, setting: str = HEADLINE) -> dict:
-    """Train one student; score it on the test prompts at the step its validation curve picks."""
+    """Train one student; score it on the test prompts (a pilot: the validation prompts) at the
+    step its validation curve picks."""
     from tunix_nb import data, distill, evaluate, model, train
 
     n_labels = int(setting.split("=")[1])
-    rows = training_rows(arm, n_labels, shared)
+    rows = training_rows(arm, n_labels, shared, labelled=labelled_examples(shared, n_labels, seed, config))
     teacher_graphdef, teacher_params = shared["teacher"]
     graphdef, params = model.split(model.make_model("student", seed=seed))
     objective = distill.objective(graphdef, teacher_graphdef, temperature=config.temperature,
                                   alpha=config.alpha if arm == "distilled" else 0.0)
-    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.learning_rate, warmup_steps=config.steps // 30,
+    opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.learning_rate_of(arm), warmup_steps=config.steps // 30,
                                                      total_steps=config.steps))
     step_fn = train.make_step(objective, opt)
     opt_state, curve, best = opt.init(params), [], (-1.0, None, 0)
