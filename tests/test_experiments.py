@@ -576,3 +576,20 @@ def test_a_lesson02_pilot_scores_validation_prompts_only(tmp_path):
     assert all(len(run["scores"]) == len(run["agrees_with_teacher"]) == 6 for arm in runs.values() for run in arm)
     assert [point["step"] for point in runs["labels"][0]["curve"]] == [1, 2]
     assert record["config"]["learning_rates"] == "labels=1e-2" and record["config"]["labelled_pool"] == 8
+
+
+def test_lesson11_scores_each_arm_at_its_best_validation_checkpoint():
+    """eval_every: one trajectory per arm (one schedule), the validation curve along it, and the
+    scores at the best checkpoint, which is one the curve holds; eval_every must divide steps."""
+    from tunix_nb.experiments import gkd_long_answers as gkd_long
+
+    with pytest.raises(ValueError, match="eval_every=3 must divide steps=8"):
+        gkd_long.GkdLongConfig(steps=8, eval_every=3)
+    config = gkd_long.GkdLongConfig(family="count14", steps=12, eval_every=6, batch_size=8, eval_split="validation")
+    shared = gkd_long.prepare(config)
+    shared["validation"] = shared["validation"][:12]  # scored at every checkpoint: a few prompts keep it quick
+    for arm in gkd_long.ARMS:
+        run = gkd_long.run_arm(arm, 0, config, shared)
+        curve = {point["step"]: point["val_edit_similarity"] for point in run["curve"]}
+        assert sorted(curve) == [6, 12] and run["chosen_step"] == max(curve, key=lambda s: (curve[s], -s))
+        assert np.mean(run["scores"]) == pytest.approx(curve[run["chosen_step"]])  # validation scored: the same

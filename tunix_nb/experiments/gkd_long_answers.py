@@ -58,6 +58,10 @@ class GkdLongConfig:
     # taught corrections too, without sampling (0: the dataset's answers as they are)
     offline_slip_rate: float = 0.0
     offline_slip_taught: bool = True  # False: positions after a swap left out of the loss (the control)
+    # 0: each arm is scored after its last step (the stored records). N: every N steps along the
+    # one trajectory the validation split's edit similarity is measured (the run's "curve"), and
+    # the arm is scored at its best checkpoint: its budget chosen like a hyperparameter
+    eval_every: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -67,6 +71,9 @@ class GkdLongConfig:
                              f"got {self.student!r} with family={self.family!r}.")
         if self.eval_split not in ("test", "validation"):
             raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
+        if self.eval_every < 0 or (self.eval_every and self.steps % self.eval_every):
+            raise ValueError(f"eval_every={self.eval_every} must divide steps={self.steps} (or be 0: score the "
+                             "last step only).")
 
 
 CONFIG_CLASS = GkdLongConfig
@@ -90,24 +97,51 @@ def prepare(config: GkdLongConfig) -> dict:
     return shared
 
 
-def train_student(arm: str, seed: int, config: GkdLongConfig, shared: dict):
-    """The student after `config.steps` steps of `arm`, from the shared warm start."""
+def checkpoints(arm: str, seed: int, config: GkdLongConfig, shared: dict):
+    """(step, params) every `config.eval_every` steps (or once, at the end) of `arm`'s one
+    trajectory from the shared warm start: one schedule over `config.steps`, never restarted."""
     from tunix_nb import data, gkd, train
 
     graphdef, _ = shared["student"]
     teacher_graphdef, teacher = shared["teacher"]
     step_fn, opt = distill_step(config, graphdef, teacher_graphdef)
-    start = warm_start(seed, config, shared)
+    params = warm_start(seed, config, shared)
+    opt_state = opt.init(params)
     if arm == "offline":
         batches = offline_batches(seed, config, shared, first=config.offline_first)
-        return train.run(step_fn, start, opt.init(start), batches, steps=config.steps, frozen=teacher,
-                         progress=False)[0]
-    batches = gkd.make_batches(graphdef, teacher_graphdef, shared["teacher_train"], batch_size=config.batch_size,
-                               seed=seed, lmbda=config.lmbda, temperature=config.temperature,
-                               max_new_tokens=data.LONG_MAX_NEW_TOKENS, seq_len=data.LONG_SEQ_LEN,
-                               prompt_len=data.LONG_PROMPT_LEN)
-    return train.run_on_policy(step_fn, start, opt.init(start), batches, steps=config.steps, frozen=teacher,
-                               progress=False)[0]
+        run = train.run
+    else:
+        batches = gkd.make_batches(graphdef, teacher_graphdef, shared["teacher_train"], batch_size=config.batch_size,
+                                   seed=seed, lmbda=config.lmbda, temperature=config.temperature,
+                                   max_new_tokens=data.LONG_MAX_NEW_TOKENS, seq_len=data.LONG_SEQ_LEN,
+                                   prompt_len=data.LONG_PROMPT_LEN)
+        run = train.run_on_policy
+    every = config.eval_every or config.steps
+    for start in range(0, config.steps, every):
+        params, opt_state, _ = run(step_fn, params, opt_state, batches, steps=every, start_step=start, frozen=teacher,
+                                   progress=False)
+        yield start + every, params
+
+
+def best_checkpoint(arm: str, seed: int, config: GkdLongConfig, shared: dict):
+    """(params, chosen step, validation curve): the checkpoint of the trajectory with the best
+    mean edit similarity on the validation split (the first of ties); with `eval_every` 0, the
+    last step and no curve."""
+    from tunix_nb import evaluate
+    from tunix_nb.experiments import long_family, stats
+
+    graphdef, _ = shared["student"]
+    best, curve = (-1.0, None, 0), []
+    for step, params in checkpoints(arm, seed, config, shared):
+        if not config.eval_every:
+            return params, step, []
+        val = shared["validation"]
+        answers = evaluate.generate_answers(graphdef, params, [e["prompt"] for e in val], **long_family.LENGTHS)
+        similarity = float(np.mean([stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, val)]))
+        curve.append({"step": step, "val_edit_similarity": similarity})
+        if similarity > best[0]:
+            best = (similarity, params, step)
+    return best[1], best[2], curve
 
 
 def distill_step(config: GkdLongConfig, graphdef, teacher_graphdef):
@@ -160,7 +194,8 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
     from tunix_nb.experiments import long_family, stats
 
     graphdef, _ = shared["student"]
-    params = train_student(arm, seed, config, shared)
+    params, chosen_step, curve = best_checkpoint(arm, seed, config, shared)
+    budget = {"chosen_step": chosen_step, "curve": curve} if config.eval_every else {}
     test = shared[config.eval_split]
     answers = evaluate.generate_answers(graphdef, params, [e["prompt"] for e in test], **long_family.LENGTHS)
     tasks, longest = np.array([e["task"] for e in test]), longest_third(test)
@@ -172,7 +207,7 @@ def run_arm(arm: str, seed: int, config: GkdLongConfig, shared: dict, setting: s
 
         slip = {"after_a_slip": count_family.after_a_slip(graphdef, params, test),  # a slip planted, one too high
                 "after_own_slip": count_family.after_own_slip(answers, test)}  # its own first slip, free-running
-    return {**slip, "scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
+    return {**slip, **budget, "scores": [stats.edit_similarity(a, e["completion"]) for a, e in zip(answers, test)],
             "exact_match": [float(a == e["completion"]) for a, e in zip(answers, test)],
             "answer_length": [len(e["completion"]) for e in test], "task": tasks.tolist(),
             "edits": [stats.edit_distance(a, e["completion"]) for a, e in zip(answers, test)],
