@@ -593,3 +593,26 @@ def test_lesson11_scores_each_arm_at_its_best_validation_checkpoint():
         curve = {point["step"]: point["val_edit_similarity"] for point in run["curve"]}
         assert sorted(curve) == [6, 12] and run["chosen_step"] == max(curve, key=lambda s: (curve[s], -s))
         assert np.mean(run["scores"]) == pytest.approx(curve[run["chosen_step"]])  # validation scored: the same
+
+
+def test_lesson08_trajectories_are_scored_at_their_best_checkpoint_and_greedy_is_on_the_grid():
+    """eval_every: GRPO (and RFT, through the same best_checkpoint) trains one trajectory, scored at
+    the checkpoint of best validation pass@1 at temperature 1; a temperature of 0 on the grid is
+    the greedy answer."""
+    from tunix_nb.experiments import grpo_pass_at_k as grpo_exp
+    from tunix_nb.experiments import long_family
+
+    with pytest.raises(ValueError, match="each >= 0"):
+        grpo_exp.GrpoPassAtKConfig(temperatures=(-0.5, 1.0))
+    config = grpo_exp.GrpoPassAtKConfig(steps=8, eval_every=4, prompts_per_step=2, group_size=2, pass_at_1_samples=2,
+                                        pass_at_k_samples=2, ks=(1, 2), temperatures=(0.0, 1.0), rft_batch_size=4)
+    parts = long_family.splits(n_fresh=config.steps * config.prompts_per_step)
+    shared = {**parts, "validation": parts["validation"][:8], "test": parts["test"][:6],
+              "student": long_family.load("student")}
+    run = grpo_exp.run_arm("grpo", 0, config, shared)
+    curve = {point["step"]: point["val_pass_at_1_t1"] for point in run["curve"]}
+    assert sorted(curve) == [4, 8] and run["chosen_step"] == max(curve, key=lambda s: (curve[s], -s))
+    assert len(run["reward_curve"]) == 8  # the whole trajectory's training rewards
+    sft = grpo_exp.run_arm("sft", 0, config, shared)
+    greedy_val = long_family.greedy_correct(*shared["student"], shared["validation"]).mean()
+    assert sft["validation_pass_at_1"]["0.0"] == pytest.approx(greedy_val) and "curve" not in sft

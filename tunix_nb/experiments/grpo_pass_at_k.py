@@ -39,6 +39,17 @@ class GrpoPassAtKConfig:
     ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     rft_batch_size: int = 64
     rft_learning_rate: float = 1e-3
+    # 0: GRPO and RFT are scored after their last step (the stored record). N: every N steps
+    # along the one trajectory, the validation split's sampled pass@1 at temperature 1 (GRPO's
+    # reward) is measured (the run's "curve"), and the policy is scored at its best checkpoint
+    eval_every: int = 0
+
+    def __post_init__(self):
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"temperatures {self.temperatures}: give one or more, each >= 0 (0 is greedy).")
+        if self.eval_every < 0 or (self.eval_every and self.steps % self.eval_every):
+            raise ValueError(f"eval_every={self.eval_every} must divide steps={self.steps} (or be 0: score the "
+                             "last step only).")
 
 
 CONFIG_CLASS = GrpoPassAtKConfig
@@ -56,7 +67,9 @@ def prepare(config: GrpoPassAtKConfig) -> dict:
     return {**parts, "student": (graphdef, params), "record": {"gate": long_family.gate(graphdef, params)}}
 
 
-def train_grpo(seed: int, config: GrpoPassAtKConfig, shared: dict):
+def grpo_checkpoints(seed: int, config: GrpoPassAtKConfig, shared: dict):
+    """(step, params, training rewards so far) every `eval_every` steps (or once, at the end) of
+    GRPO's one trajectory from the student."""
     from tunix_nb import data, grpo, rewards, train
 
     graphdef, start = shared["student"]
@@ -67,13 +80,18 @@ def train_grpo(seed: int, config: GrpoPassAtKConfig, shared: dict):
                                    batch_size=config.prompts_per_step, group_size=config.group_size, seed=seed,
                                    beta=config.beta, max_new_tokens=data.LONG_MAX_NEW_TOKENS,
                                    prompt_len=data.LONG_PROMPT_LEN)
-    params, _, history = train.run_on_policy(step_fn, start, opt.init(start), rollout_fn, steps=config.steps,
-                                             reference=start, progress=False)
-    return params, [h["reward"] for h in history]
+    params, opt_state, rewards_so_far = start, opt.init(start), []
+    every = config.eval_every or config.steps
+    for first in range(0, config.steps, every):
+        params, opt_state, history = train.run_on_policy(step_fn, params, opt_state, rollout_fn, steps=every,
+                                                         start_step=first, reference=start, progress=False)
+        rewards_so_far += [h["reward"] for h in history]
+        yield first + every, params, list(rewards_so_far)
 
 
-def train_rft(seed: int, config: GrpoPassAtKConfig, shared: dict):
-    """The student's right answers among as many samples as GRPO draws, then SFT on them."""
+def rft_checkpoints(seed: int, config: GrpoPassAtKConfig, shared: dict):
+    """The student's right answers among as many samples as GRPO draws, then SFT on them:
+    (step, params, how many answers were kept) every `eval_every` steps (or once, at the end)."""
     from tunix_nb import data, sft, train
     from tunix_nb.experiments import long_family
     from tunix_nb.tokenizer import ByteTokenizer
@@ -87,20 +105,45 @@ def train_rft(seed: int, config: GrpoPassAtKConfig, shared: dict):
     opt = train.make_optimizer(train.OptimizerConfig(learning_rate=config.rft_learning_rate, warmup_steps=5,
                                                      total_steps=config.steps))
     step_fn = train.make_step(sft.objective(graphdef), opt)
-    params, _, _ = train.run(step_fn, start, opt.init(start),
-                             lambda s: data.batch_at(rows, s, config.rft_batch_size, seed=seed),
-                             steps=config.steps, progress=False)
-    return params, len(kept)
+    params, opt_state = start, opt.init(start)
+    every = config.eval_every or config.steps
+    for first in range(0, config.steps, every):
+        params, opt_state, _ = train.run(step_fn, params, opt_state,
+                                         lambda s: data.batch_at(rows, s, config.rft_batch_size, seed=seed),
+                                         steps=every, start_step=first, progress=False)
+        yield first + every, params, len(kept)
 
 
 def run_arm(arm: str, seed: int, config: GrpoPassAtKConfig, shared: dict, setting: str = HEADLINE) -> dict:
     graphdef, params = shared["student"]
     extra = {}
-    if arm == "grpo":
-        params, extra["reward_curve"] = train_grpo(seed, config, shared)
-    elif arm == "rft":
-        params, extra["rft_examples"] = train_rft(seed, config, shared)
+    if arm != "sft":
+        params, extra = best_checkpoint(arm, seed, config, shared)
     return {**evaluate_policy(graphdef, params, seed, config, shared), **extra}
+
+
+def best_checkpoint(arm: str, seed: int, config: GrpoPassAtKConfig, shared: dict):
+    """(params, what the record keeps of the trajectory): GRPO's training rewards or RFT's kept
+    answers; with `eval_every`, also the validation curve and the chosen step, the checkpoint
+    of best validation pass@1 at temperature 1 (the first of ties); without it, the last step."""
+    from tunix_nb.experiments import long_family
+
+    graphdef, _ = shared["student"]
+    trajectory = grpo_checkpoints if arm == "grpo" else rft_checkpoints
+    best, curve = (-1.0, None, 0, None), []
+    for step, params, kept in trajectory(seed, config, shared):
+        if not config.eval_every:
+            best = (0.0, params, step, kept)
+            continue
+        val = float(long_family.sample_correct(graphdef, params, shared["validation"], n=config.pass_at_1_samples,
+                                               temperature=1.0, seed=10 * seed + 4).mean())
+        curve.append({"step": step, "val_pass_at_1_t1": val})
+        if val > best[0]:
+            best = (val, params, step, kept)
+    extra = {"reward_curve": kept} if arm == "grpo" else {"rft_examples": kept}  # the whole run's, as stored
+    if config.eval_every:
+        extra.update(curve=curve, chosen_step=best[2])
+    return best[1], extra
 
 
 def evaluate_policy(graphdef, params, seed: int, config: GrpoPassAtKConfig, shared: dict) -> dict:
@@ -109,11 +152,10 @@ def evaluate_policy(graphdef, params, seed: int, config: GrpoPassAtKConfig, shar
 
     val, test = shared["validation"], shared["test"]
     n = config.pass_at_1_samples
-    val_pass_at_1 = {t: float(long_family.sample_correct(graphdef, params, val, n=n, temperature=t,
-                                                         seed=10 * seed + 1).mean())
+    val_pass_at_1 = {t: float(correct_at(graphdef, params, val, n=n, temperature=t, seed=10 * seed + 1).mean())
                      for t in config.temperatures}
     best_t = max(val_pass_at_1, key=val_pass_at_1.get)
-    sampled = long_family.sample_correct(graphdef, params, test, n=n, temperature=best_t, seed=10 * seed + 2)
+    sampled = correct_at(graphdef, params, test, n=n, temperature=best_t, seed=10 * seed + 2)
     at_1 = long_family.sample_correct(graphdef, params, test, n=config.pass_at_k_samples, temperature=1.0,
                                       seed=10 * seed + 3)
     return {"scores": sampled.mean(axis=1).tolist(),
@@ -121,6 +163,15 @@ def evaluate_policy(graphdef, params, seed: int, config: GrpoPassAtKConfig, shar
             "best_temperature": best_t, "validation_pass_at_1": {str(t): v for t, v in val_pass_at_1.items()},
             "pass_at_k": {str(k): v.tolist() for k, v in zip(config.ks, stats.pass_at_k_curve(at_1, config.ks))},
             "tasks": [e["task"] for e in test]}
+
+
+def correct_at(graphdef, params, examples, *, n: int, temperature: float, seed: int):
+    """[N, n] bool: n answers sampled at `temperature`; at 0, the greedy answer n times (its limit)."""
+    from tunix_nb.experiments import long_family
+
+    if temperature == 0:
+        return np.repeat(long_family.greedy_correct(graphdef, params, examples)[:, None], n, axis=1)
+    return long_family.sample_correct(graphdef, params, examples, n=n, temperature=temperature, seed=seed)
 
 
 def summarise(record: dict) -> dict:
