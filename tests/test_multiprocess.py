@@ -6,6 +6,7 @@ shut down cleanly, and stop when one of them dies.
 """
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from tunix_nb import checkpoint, cli, compare, data, launch, parallel
+from tunix_nb import checkpoint, cli, compare, data, devices, launch, parallel, preempt
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["sft", "--model", "tiny", "--steps", "10", "--batch-size", "16", "--save-every", "5", "--seed", "3"]
@@ -64,6 +65,80 @@ def test_two_processes_save_resume_and_match_one_process(tmp_path, capsys):
         diff = compare.max_abs_diff(checkpoint.load_params(run), reference)
         assert diff <= 1e-5, f"{run.name} vs one process x 8 devices: largest parameter difference {diff}"
         assert checkpoint.load_meta(run)["step"] == 10
+
+
+# The run a stop signal interrupts: 2 processes x 1 device, so that one process with 2 devices
+# (a sum of two terms either way) is the uninterrupted run to the bit.
+STOP_RUN = ["sft", "--model", "tiny", "--parallel", "fsdp", "--steps", "12", "--batch-size", "16",
+            "--save-every", "10", "--seed", "3"]
+
+
+@pytest.mark.cpu_only(reason="processes of simulated CPU devices, started as children")
+def test_a_signal_to_one_process_stops_both_after_the_same_step_and_resumes_bitwise(tmp_path):
+    """SIGTERM to process 1 alone, at a seeded step off the save interval: the processes agree on
+    the step to stop after, both write their shards of that step, every process exits 143 and the
+    launcher too; the group resumes from it to the bits and metrics of a run never stopped."""
+    after_step = random.Random(48).randrange(2, 6)  # the step in flight lies before the first save, at 10
+    ckpt, metrics = tmp_path / "cut", tmp_path / "cut.jsonl"
+    argv = [*STOP_RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
+    stopped = preempt.launch_and_signal(argv, metrics_file=metrics, signum=signal.SIGTERM, after_step=after_step,
+                                        process=1, timeout=240)
+    out = stopped["output"]
+    assert stopped["returncode"] == 143, out[-3000:]
+    saved = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    print(f"SIGTERM to process 1 after step {stopped['signalled_after']}: both saved step {saved}")
+    assert stopped["signalled_after"] <= saved <= stopped["signalled_after"] + 3  # the step in flight, not 10
+    assert {p.name for p in (ckpt / str(saved) / "params").glob("ocdbt.process_*")} == {"ocdbt.process_0",
+                                                                                       "ocdbt.process_1"}
+    assert "[process 1] SIGTERM: finishing the step in flight, then saving it (with the other processes" in out
+    assert "[process 0] SIGTERM:" not in out  # process 0 stopped on the agreement alone
+    assert f"[process 0] Stopped by SIGTERM after step {saved} of 12: saved step {saved}" in out
+    assert "launch: all 2 processes stopped by SIGTERM, after saving the step they agreed on" in out
+    assert "Traceback" not in out and not list(ckpt.glob(f"*{preempt.TMP_SUFFIX}*"))
+    lines = []
+    assert launch.launch(argv, processes=2, devices_per_process=1, timeout_s=240, print_fn=lines.append) == 0, lines
+    assert f"[process 0] Resuming from the checkpoint at step {saved}" in "\n".join(lines)
+    whole = tmp_path / "whole"
+    subprocess.run([sys.executable, "-m", "tunix_nb.train", *STOP_RUN, "--devices", "2", "--ckpt-dir", str(whole),
+                    "--metrics-file", str(tmp_path / "whole.jsonl")], check=True, capture_output=True,
+                   env=devices.child_env(), timeout=240)
+    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(whole))
+    assert metrics.read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+AGREEMENT_WORKER = textwrap.dedent("""
+    import signal, sys
+    from tunix_nb import distributed
+    distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+    round_id = 0  # every process asks at the same rounds, as the training loop does after each step
+    for signum, first_round in zip(map(int, sys.argv[3::2]), map(int, sys.argv[4::2])):
+        agreed = None
+        while agreed is None:
+            round_id += 1
+            agreed = distributed.agree_on_stop(round_id, signum if round_id >= first_round else None)
+        print("agreed", round_id, signal.Signals(agreed).name, flush=True)
+    distributed.shutdown()
+""")
+
+
+def test_processes_signalled_at_different_steps_agree_on_the_first(tmp_path):
+    """Process 0 gets SIGTERM at round 16, process 1 SIGINT at round 13: both stop at 13, for SIGINT.
+    Both at round 40: both stop there, for process 0's signal."""
+    script = tmp_path / "worker.py"
+    script.write_text(AGREEMENT_WORKER)
+    address, term, int_ = f"127.0.0.1:{launch.free_port()}", str(int(signal.SIGTERM)), str(int(signal.SIGINT))
+    signals = {0: [term, "16", term, "40"], 1: [int_, "13", int_, "40"]}
+    procs = [subprocess.Popen([sys.executable, str(script), address, str(i), *signals[i]], cwd=REPO,
+                              env=devices.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for out in outs:
+        assert "agreed 13 SIGINT" in out and "agreed 40 SIGTERM" in out, out[-2000:]
 
 
 def test_launcher_stops_the_others_when_a_process_dies(tmp_path):

@@ -71,3 +71,32 @@ def print_once(message: str) -> None:
     """Print what every process would print alike: once, from process 0."""
     if is_main_process():
         print(message, flush=True)
+
+
+# How long a process waits at a step for the others to reach it too. They run the same steps in
+# lockstep (every step's collectives join them), so only a first compile can keep one far behind;
+# a process that died is found by the heartbeat first.
+STOP_AGREEMENT_TIMEOUT_S = 3600
+
+
+def agree_on_stop(round_id: int, signum: int | None) -> int | None:
+    """The stop signal every process acts on after this round, the same in all of them: None, or
+    a signal one of them got (`signum` here), the lowest-numbered process's if several did.
+
+    Every process calls it once a step, with the same `round_id`s in the same order. A signal
+    reaching one process only, or several at different steps, then stops them all after the
+    same step, so they save the same checkpoint (Orbax's save is a collective). Through JAX's
+    coordination service, on the host: a signalled process posts it under the round's key, a
+    barrier waits for every process, each reads the round's keys (about 1 ms on loopback, two
+    round trips; the devices go on with the step in flight meanwhile). JAX's own
+    `multihost_utils.reached_preemption_sync_point` agrees too, but on SIGTERM alone (its C++
+    handler, which a Python handler replaces) and without saying which signal came."""
+    from jax._src import distributed as jax_distributed  # the client JAX's initialize made; no public getter
+
+    state = jax_distributed.global_state  # not jax.process_index(): that starts the backend, which waits for all
+    key = f"tunix_nb/stop/{round_id}"
+    if signum is not None:
+        state.client.key_value_set(f"{key}/{state.process_id}", str(signum))
+    state.client.wait_at_barrier("tunix_nb/stop", STOP_AGREEMENT_TIMEOUT_S * 1000)  # a barrier id may be reused
+    posted = {int(name.rsplit("/", 1)[1]): int(value) for name, value in state.client.key_value_dir_get(f"{key}/")}
+    return posted[min(posted)] if posted else None

@@ -34,6 +34,9 @@ from typing import Callable
 from tunix_nb import devices
 from tunix_nb.train.config import MESH_CHOICES  # the strategies whose mesh spans processes
 
+# The training command's exit codes after a stop signal made it save and stop (cli.stop_signals):
+# 128 + the signal's number, as a shell reports a process the signal ended.
+STOPPED_BY = {128 + s: signal.Signals(s).name for s in (signal.SIGTERM, signal.SIGINT)}
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # on loopback a silent process is a dead one; clusters use JAX's 100 s
 # gloo prints a line per connection from several threads at once, word by word, so its
 # pieces interleave: drop any line made only of these pieces and numbers
@@ -100,8 +103,8 @@ def _describe_exit(code: int) -> str:
 def _stop(procs) -> list[int]:
     """SIGKILL every process still running, and reap them; returns which it killed.
 
-    Not SIGTERM: JAX's preemption notifier catches it in every process, and a process
-    whose peer is gone can neither finish its step nor save. Committed checkpoints are
+    Not SIGTERM: the command would finish its step and save (`cli.stop_signals`), which a
+    process whose peer is gone cannot do. Committed checkpoints are
     safe; a save cut short stays a `*.orbax-checkpoint-tmp` directory that resuming ignores.
     """
     killed = [i for i, p in enumerate(procs) if not _has_ended(p)]
@@ -135,8 +138,9 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
            print_fn: Callable[[str], None] = print) -> int:
     """Run `python -m tunix_nb.train *train_args` as `processes` JAX processes; returns the exit code.
 
-    0 when every process finished cleanly. Otherwise the first failure's code (1 for a
-    process killed by a signal, or for `timeout_s` running out), after stopping the
+    0 when every process finished cleanly; 143 or 130 when a SIGTERM or SIGINT to any of
+    them made them all save the same step and stop. Otherwise the first failure's code (1
+    for a process killed by a signal, or for `timeout_s` running out), after stopping the
     rest. Every output line goes through `print_fn`, prefixed `[process i]`.
     """
     if processes < 1 or devices_per_process < 1:
@@ -188,8 +192,7 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     exits = _watch(ended, drain, processes, deadline)
-    failures = [(i, code) for i, code in exits if code != 0]
-    killed = _stop(procs) if failures or len(exits) < processes else []
+    killed = _stop(procs) if _failed(exits) or len(exits) < processes else []
     for t in threads:
         t.join(timeout=5)
     drain(0)
@@ -197,12 +200,28 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
         i, code = ended.get()
         if i not in killed and i not in {k for k, _ in exits}:
             exits.append((i, code))
-    failures = [(i, code) for i, code in exits if code != 0]
-    if not failures and len(exits) == processes:
-        print_fn(f"launch: all {processes} processes finished")
-        return 0
-    if not failures:
-        print_fn(f"launch: error: the run took longer than {timeout_s} s; stopped all {processes} processes.")
+    return _report(exits, procs, timeout_s, print_fn)
+
+
+def _failed(exits) -> list[tuple[int, int]]:
+    """The exits that are failures: not 0, and not a stop signal's code after saving."""
+    return [(i, code) for i, code in exits if code != 0 and code not in STOPPED_BY]
+
+
+def _report(exits, procs, timeout_s, print_fn) -> int:
+    """Say how the group ended; -> the launcher's exit code: the processes' own when they all ended
+    alike (0, or a stop signal's code after they saved the same step), else the first failure's."""
+    codes = {code for _, code in exits}
+    if not _failed(exits) and len(exits) == len(procs) and len(codes) == 1:
+        code = codes.pop()
+        if code == 0:
+            print_fn(f"launch: all {len(procs)} processes finished")
+        else:
+            print_fn(f"launch: all {len(procs)} processes stopped by {STOPPED_BY[code]}, after saving the step "
+                     "they agreed on; rerun the same command to resume")
+        return code
+    if not _failed(exits) and len(exits) < len(procs):
+        print_fn(f"launch: error: the run took longer than {timeout_s} s; stopped all {len(procs)} processes.")
         return 1
     exits = _cause_first(exits)
     print_fn(_failure_message(exits, procs))
@@ -211,9 +230,10 @@ def launch(train_args, *, processes: int = 2, devices_per_process: int = 4, port
 
 
 def _watch(ended: queue.Queue, drain, processes: int, deadline: float | None) -> list[tuple[int, int]]:
-    """(process, exit code) in the order they ended, until one fails, all end, or the deadline passes."""
+    """(process, exit code) in the order they ended, until one fails, all end, or the deadline passes
+    (a process stopped by a signal has not failed: the others are saving the same step)."""
     exits = []
-    while len(exits) < processes and all(code == 0 for _, code in exits):
+    while len(exits) < processes and not _failed(exits):
         drain(0.2)
         while not ended.empty():
             exits.append(ended.get())

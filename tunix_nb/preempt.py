@@ -1,4 +1,6 @@
-"""Preemption drills: run the training CLI and SIGKILL it between saves or during one.
+"""Preemption drills: run the training CLI and SIGKILL it between saves or during one, or send
+it a stop signal (SIGTERM, SIGINT), which it answers by saving the step in flight; as one
+process, or as a group of processes (`tunix_nb.launch`) of which one alone gets the signal.
 
 Notebook 05 and the tests use `preempt` to show that a run killed at any moment
 resumes, from its newest complete checkpoint, to the same bits as an uninterrupted run.
@@ -126,3 +128,34 @@ def run_and_signal(argv, *, metrics_file, signum: int = signal.SIGTERM, after_st
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         out.close(), err.close()
+
+
+def launch_and_signal(train_args, *, metrics_file, signum: int = signal.SIGTERM, after_step: int = 1,
+                      process: int = 1, processes: int = 2, devices_per_process: int = 1,
+                      timeout: float = 120.0) -> dict:
+    """Run the training command as `processes` JAX processes (`tunix_nb.launch`) and send `signum`
+    to process `process` alone once the metrics file (process 0 writes it) shows step
+    `after_step`: the processes agree on the step to stop after, all save it and exit with
+    128 + signum. `train_args` must include the --metrics-file given here.
+
+    Returns {"returncode": the launcher's, "signalled_after": the step logged when the signal
+    went, "output": the launcher's lines, each process's prefixed `[process i]`}.
+    """
+    import threading
+
+    from tunix_nb import launch
+
+    lines, result = [], {}
+    group = threading.Thread(target=lambda: result.update(returncode=launch.launch(
+        train_args, processes=processes, devices_per_process=devices_per_process, timeout_s=timeout,
+        print_fn=lines.append)), daemon=True)
+    group.start()
+    deadline, signalled_after = time.monotonic() + timeout, None
+    while group.is_alive() and signalled_after is None and time.monotonic() < deadline:
+        step = _last_logged_step(Path(metrics_file))
+        if lines and step >= after_step:  # the launcher's first line names the processes' pids
+            os.kill(int(lines[0].split("pids ")[1].split()[process]), signum)
+            signalled_after = step
+        time.sleep(0.001)
+    group.join(timeout=max(1.0, deadline - time.monotonic()) + 30)  # the launcher stops the group at its timeout
+    return {"returncode": result.get("returncode"), "signalled_after": signalled_after, "output": "\n".join(lines)}

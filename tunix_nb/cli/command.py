@@ -87,9 +87,9 @@ def main(argv=None) -> int:
         return 2
     trackers = open_trackers(args, start)
     try:
-        # SIGTERM / SIGINT: the step in flight is saved, then the run stops (one process: several would
-        # have to agree on the step first)
-        with StopRequest(enabled=jax.process_count() == 1) as stop:
+        # SIGTERM / SIGINT: the step in flight is saved, then the run stops (several processes
+        # agree on that step first)
+        with StopRequest(processes=jax.process_count()) as stop:
             params, step = train_with_saves(args, config, method, step_fn, start, manager, trackers, mesh, run_key,
                                             stop)
     except rewards.RewardError as err:  # a reward function went wrong mid-run: its message names it
@@ -97,6 +97,16 @@ def main(argv=None) -> int:
         return 2
     finally:
         trackers.close()
+    code = _finish(args, config, method, params, step, stop, manager)
+    if args.distributed:  # leave together: waits for the other processes to finish too
+        distributed.shutdown()
+    return code
+
+
+def _finish(args, config, method, params, step, stop, manager) -> int:
+    """Say how the run ended and export a finished one; -> the command's exit code."""
+    import jax
+
     if stop.requested() and step < config.steps:
         saved = f"saved step {step} in {args.ckpt_dir}" if manager is not None else "no --ckpt-dir, nothing saved"
         print_once(f"Stopped by {stop.name} after step {step} of {config.steps}: {saved}; run the same command "
@@ -109,6 +119,4 @@ def main(argv=None) -> int:
         export_run(args, config, method, params, step)
         print_once(f"Done: {config.command} {config.model}, {config.steps} steps"
                    + (f", {jax.process_count()} processes." if jax.process_count() > 1 else "."))
-    if args.distributed:  # leave together: waits for the other processes to finish too
-        distributed.shutdown()
     return 0

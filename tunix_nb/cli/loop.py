@@ -141,7 +141,7 @@ def _train_chunk(args, config, method, step_fn, params, opt_state, rollout_fn, s
     common = dict(steps=chunk, start_step=step, parallel_mode=args.parallel,
                   progress=sys.stderr.isatty() and distributed.is_main_process(), on_step=log,
                   desc=f"{config.command} {step}->{step + chunk}", keep_placement=mesh is not None,
-                  hand_over=True, should_stop=None if stop is None else stop.requested)
+                  hand_over=True, should_stop=None if stop is None else stop.should_stop)
     if rollout_fn is None:
         params, opt_state, history = train.run(step_fn, params, opt_state, batch_source(method, config, mesh),
                                                frozen=method.frozen, **common)
