@@ -79,6 +79,28 @@ def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(
     assert cli.main([*argv, "--max-length", "128"]) == 0
 
 
+def test_grpo_prompts_and_completions_past_the_models_positions_name_both_fixes(tmp_path, capsys):
+    """GRPO samples --max-new-tokens after each prompt: the refusal names a --max-length that leaves room
+    for them, and fewer --max-new-tokens; a --max-length one token longer is refused too."""
+    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # max_position_embeddings 128
+    rows = [{"prompt": "Count: " + " ".join(map(str, range(200))), "completion": " done"}] * 4
+    train = tmp_path / "prompts.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["grpo", "--model", str(qwen3), "--train-file", str(train), "--max-new-tokens", "8", "--batch-size", "2",
+            "--group-size", "2", "--steps", "1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --train-file {train}: its longest prompt (") and err.count("\n") == 1
+    assert "tokens) and --max-new-tokens 8 need" in err and "past the model's max_position_embeddings 128" in err
+    assert "pass --max-length 120 or less to cut the prompts' beginnings, or fewer --max-new-tokens" in err
+    assert cli.main([*argv, "--max-length", "121"]) == 2
+    assert "its longest prompt (121 tokens) and --max-new-tokens 8 need 129 positions" in capsys.readouterr().err
+    from tunix_nb.tokenizer import HFTokenizer  # the advice holds: 120 tokens of prompt pass the check
+
+    fitted = cli.encoded_user_data(cli.config_from_argv([*argv, "--max-length", "120"]), HFTokenizer.from_dir(qwen3))
+    assert fitted.arrays["prompt_mask"].sum(axis=1).max() == 120
+
+
 def test_a_generate_prompt_past_the_models_positions_is_refused_unless_max_length_cuts_it(capsys):
     from tunix_nb import generate
 

@@ -91,16 +91,27 @@ def fit_positions(ids: list[int], max_new_tokens: int, max_length: int | None, p
         if max_length < 1:
             raise ValueError(f"--max-length {max_length}: give at least 1 token of prompt")
         ids = ids[-max_length:]
-    need = len(ids) + max_new_tokens
+    problem = positions_problem("--max-length" if max_length is not None else "the prompt", len(ids), max_new_tokens,
+                                positions, fix="keep the prompt's last tokens")
+    if problem is not None:
+        raise ValueError(problem)
+    return ids
+
+
+def positions_problem(prompt: str, prompt_tokens: int, max_new_tokens: int, positions: int | None, *,
+                      fix: str) -> str | None:
+    """What is wrong, naming both fixes, when `prompt` (`prompt_tokens` long) and `max_new_tokens`
+    sampled after it need positions past the model's max_position_embeddings `positions`; None when
+    they fit. `fix` says what a smaller --max-length does (generate, and GRPO's rollouts, cut prompts)."""
+    need = prompt_tokens + max_new_tokens
     if positions is None or need <= positions:
-        return ids
+        return None
     if max_new_tokens >= positions:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} alone fills the model's max_position_embeddings "
-                         f"{positions} (config.json); give fewer")
-    cut = "--max-length" if max_length is not None else "the prompt"
-    raise ValueError(f"{cut} ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} need {need} positions, past "
-                     f"the model's max_position_embeddings {positions} (config.json); pass --max-length "
-                     f"{positions - max_new_tokens} or less to keep the prompt's last tokens, or fewer --max-new-tokens")
+        return (f"--max-new-tokens {max_new_tokens} alone fills the model's max_position_embeddings "
+                f"{positions} (config.json); give fewer")
+    return (f"{prompt} ({prompt_tokens} tokens) and --max-new-tokens {max_new_tokens} need {need} positions, past "
+            f"the model's max_position_embeddings {positions} (config.json); pass --max-length "
+            f"{positions - max_new_tokens} or less to {fix}, or fewer --max-new-tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,8 +65,14 @@ def _check_positions(config: RunConfig, arrays: dict, what: str) -> None:
     limit = hf.read_config(config.model_dir).get("max_position_embeddings")
     masks = [mask for key, mask in arrays.items() if key.endswith(("attention_mask", "prompt_mask"))]  # grpo: prompts
     longest = max(int(mask.sum(axis=1).max()) for mask in masks)
-    longest += getattr(config.method, "max_new_tokens", 0) or 0  # grpo: the completions follow the prompt
-    if limit is not None and longest > limit:
+    if config.command == "grpo":  # the completions follow the prompt: --max-new-tokens is the other fix
+        from tunix_nb.generate import positions_problem
+
+        problem = positions_problem(f"{what}: its longest prompt", longest, config.method.max_new_tokens, limit,
+                                    fix="cut the prompts' beginnings")
+        if problem is not None:
+            raise RunError(problem)
+    elif limit is not None and longest > limit:
         raise RunError(f"{what}: its longest row needs {longest} positions, past the model's max_position_embeddings "
                        f"{limit} (config.json); pass --max-length {limit} or less to cut the rows to fit")
 
