@@ -616,3 +616,25 @@ def test_lesson08_trajectories_are_scored_at_their_best_checkpoint_and_greedy_is
     sft = grpo_exp.run_arm("sft", 0, config, shared)
     greedy_val = long_family.greedy_correct(*shared["student"], shared["validation"]).mean()
     assert sft["validation_pass_at_1"]["0.0"] == pytest.approx(greedy_val) and "curve" not in sft
+
+
+def _pilot(lr, scores_by_arm, **config):
+    return {"config": {"learning_rate": lr, "eval_split": "validation", "steps": 40, **config},
+            "runs": {"long": {arm: [{"scores": s, "chosen_step": 20} for s in seeds] for arm, seeds in scores_by_arm.items()}}}
+
+
+def test_pilots_choose_each_arms_value_on_validation_and_refuse_unlike_pilots(capsys):
+    from tunix_nb.experiments import __main__ as experiments_cli
+    from tunix_nb.experiments import pilots
+
+    low = _pilot(1e-3, {"offline": [[1, 1], [1, 0]], "on_policy": [[0, 0], [0, 1]]})
+    high = _pilot(3e-3, {"offline": [[0, 1], [1, 0]], "on_policy": [[1, 1], [1, 0]]})
+    choice = pilots.choose([low, high], "learning_rate")["long"]
+    assert (choice["offline"]["chosen"], choice["on_policy"]["chosen"]) == (1e-3, 3e-3)
+    assert choice["offline"]["by_value"][1e-3]["mean"] == 0.75 and choice["offline"]["chosen_steps"][1e-3] == [20, 20]
+    assert "offline: learning_rate 0.001: 0.7500 *, 0.003: 0.5000" in pilots.describe({"long": choice}, "learning_rate")
+    with pytest.raises(ValueError, match="scored on 'test'"):
+        pilots.choose([low, _pilot(3e-3, {"offline": [[1], [1]]}, eval_split="test")], "learning_rate")
+    with pytest.raises(ValueError, match="differ in steps besides learning_rate"):
+        pilots.choose([low, _pilot(3e-3, {"offline": [[1], [1]]}, steps=80)], "learning_rate")
+    assert experiments_cli.main(["choose", "learning_rate"]) == 2 and "usage" in capsys.readouterr().err

@@ -13,6 +13,9 @@ data/count_small_student); with `--family count14`, the fixed-length count famil
 
 `python -m tunix_nb.experiments summarise RECORD.json ...` recomputes each stored record's
 summary from its runs, after a change to the statistics (`stats`), and writes it back.
+
+`python -m tunix_nb.experiments choose FIELD PILOT.json ...` prints, per arm, the value of FIELD
+(e.g. learning_rate) whose validation pilot scored best (`pilots.choose`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["summarise"]:
         return resummarise(argv[1:])
+    if argv[:1] == ["choose"]:
+        return choose_from_pilots(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m tunix_nb.experiments", description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "checkpoints"],
                         help="which lesson's experiment to run, or `checkpoints` to remake the long family's")
@@ -85,6 +90,25 @@ def resummarise(paths: list[str]) -> int:
         record["summary"] = module.summarise(record)
         runner.save(record, path)
         print(f"summarised {path}")
+    return 0
+
+
+def choose_from_pilots(argv: list[str]) -> int:
+    """Per arm, the value of a field that validation pilots chose."""
+    import json
+
+    from tunix_nb.experiments import pilots
+
+    if len(argv) < 2:
+        print("usage: python -m tunix_nb.experiments choose FIELD PILOT.json ...", file=sys.stderr)
+        return 2
+    field, paths = argv[0], argv[1:]
+    try:
+        choice = pilots.choose([json.loads(Path(p).read_text()) for p in paths], field)
+    except (ValueError, KeyError) as err:
+        print(f"choose {field}: {err}", file=sys.stderr)
+        return 2
+    print(pilots.describe(choice, field))
     return 0
 
 

@@ -1,0 +1,58 @@
+"""Choosing an experiment's settings per arm from validation pilots, as a hyperparameter is chosen.
+
+A pilot is an experiment record made with `eval_split=validation`: its scores are on the
+validation prompts, so choosing among pilots never looks at the test prompts. Given pilots
+that differ in one config field (e.g. three learning rates), `choose` takes for each arm the
+value with the best mean validation score over the pilots' seeds; each run within a pilot has
+already picked its own best checkpoint along its trajectory (`eval_every`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tunix_nb.experiments import stats
+
+
+def _mean_score(runs: list[dict]) -> list[float]:
+    return [float(np.mean(run["scores"])) for run in runs]
+
+
+def choose(records: list[dict], field: str) -> dict:
+    """{setting: {arm: {"chosen": value, "by_value": {value: seed_interval of the mean validation
+    scores}, "chosen_steps": {value: [each seed's chosen step]}}}} over pilots that differ in `field`.
+
+    The first of tied values wins. Refuses a record scored on the test prompts, and pilots that
+    differ in other fields than `field` (they would not compare like with like)."""
+    if not records:
+        raise ValueError("no pilot records given")
+    others = [{k: v for k, v in r["config"].items() if k != field} for r in records]
+    for record, rest in zip(records, others):
+        if record["config"].get("eval_split") != "validation":
+            raise ValueError(f"a pilot with {field}={record['config'].get(field)!r} was scored on "
+                             f"{record['config'].get('eval_split')!r}: settings are chosen on validation pilots only "
+                             "(--set eval_split=validation)")
+        if rest != others[0]:
+            differ = sorted(k for k in rest if rest[k] != others[0].get(k))
+            raise ValueError(f"the pilots differ in {', '.join(differ)} besides {field}: run them with one config "
+                             "but for that field")
+    out = {}
+    for setting in records[0]["runs"]:
+        out[setting] = {}
+        for arm in records[0]["runs"][setting]:
+            by_value = {r["config"][field]: stats.seed_interval(_mean_score(r["runs"][setting][arm])) for r in records}
+            steps = {r["config"][field]: [run.get("chosen_step") for run in r["runs"][setting][arm]] for r in records}
+            chosen = max(by_value, key=lambda value: by_value[value]["mean"])
+            out[setting][arm] = {"chosen": chosen, "by_value": by_value, "chosen_steps": steps}
+    return out
+
+
+def describe(choice: dict, field: str) -> str:
+    """The choice as lines: per setting and arm, each value's mean validation score and the chosen one."""
+    lines = []
+    for setting, arms in choice.items():
+        for arm, c in arms.items():
+            values = ", ".join(f"{value}: {s['mean']:.4f}" + (" *" if value == c["chosen"] else "")
+                               for value, s in c["by_value"].items())
+            lines.append(f"{setting} {arm}: {field} {values}; chosen steps {c['chosen_steps'][c['chosen']]}")
+    return "\n".join(lines)
