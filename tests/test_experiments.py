@@ -638,3 +638,6 @@ def test_pilots_choose_each_arms_value_on_validation_and_refuse_unlike_pilots(ca
     with pytest.raises(ValueError, match="differ in steps besides learning_rate"):
         pilots.choose([low, _pilot(3e-3, {"offline": [[1], [1]]}, steps=80)], "learning_rate")
     assert experiments_cli.main(["choose", "learning_rate"]) == 2 and "usage" in capsys.readouterr().err
+    together = pilots.choose([_pilot(1e-3, {"rft": [[1], [1]]}, rft_learning_rate=3e-3),
+                              _pilot(3e-4, {"rft": [[0], [1]]}, rft_learning_rate=1e-3)], "learning_rate,rft_learning_rate")
+    assert together["long"]["rft"]["chosen"] == "0.001/0.003"

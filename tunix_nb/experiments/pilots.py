@@ -18,18 +18,25 @@ def _mean_score(runs: list[dict]) -> list[float]:
     return [float(np.mean(run["scores"])) for run in runs]
 
 
+def _value(config: dict, fields: list[str]):
+    return config[fields[0]] if len(fields) == 1 else "/".join(str(config[f]) for f in fields)
+
+
 def choose(records: list[dict], field: str) -> dict:
     """{setting: {arm: {"chosen": value, "by_value": {value: seed_interval of the mean validation
-    scores}, "chosen_steps": {value: [each seed's chosen step]}}}} over pilots that differ in `field`.
+    scores}, "chosen_steps": {value: [each seed's chosen step]}}}} over pilots that differ in `field`
+    ("learning_rate"; or fields varied together, "learning_rate,rft_learning_rate", whose values
+    then read "3e-4/1e-3").
 
     The first of tied values wins. Refuses a record scored on the test prompts, and pilots that
     differ in other fields than `field` (they would not compare like with like)."""
     if not records:
         raise ValueError("no pilot records given")
-    others = [{k: v for k, v in r["config"].items() if k != field} for r in records]
+    fields = field.split(",")
+    others = [{k: v for k, v in r["config"].items() if k not in fields} for r in records]
     for record, rest in zip(records, others):
         if record["config"].get("eval_split") != "validation":
-            raise ValueError(f"a pilot with {field}={record['config'].get(field)!r} was scored on "
+            raise ValueError(f"a pilot with {field}={_value(record['config'], fields)!r} was scored on "
                              f"{record['config'].get('eval_split')!r}: settings are chosen on validation pilots only "
                              "(--set eval_split=validation)")
         if rest != others[0]:
@@ -40,8 +47,10 @@ def choose(records: list[dict], field: str) -> dict:
     for setting in records[0]["runs"]:
         out[setting] = {}
         for arm in records[0]["runs"][setting]:
-            by_value = {r["config"][field]: stats.seed_interval(_mean_score(r["runs"][setting][arm])) for r in records}
-            steps = {r["config"][field]: [run.get("chosen_step") for run in r["runs"][setting][arm]] for r in records}
+            by_value = {_value(r["config"], fields): stats.seed_interval(_mean_score(r["runs"][setting][arm]))
+                        for r in records}
+            steps = {_value(r["config"], fields): [run.get("chosen_step") for run in r["runs"][setting][arm]]
+                     for r in records}
             chosen = max(by_value, key=lambda value: by_value[value]["mean"])
             out[setting][arm] = {"chosen": chosen, "by_value": by_value, "chosen_steps": steps}
     return out
