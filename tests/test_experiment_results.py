@@ -581,3 +581,20 @@ def test_lesson11_pilots_were_scored_on_validation_with_their_command_and_are_wh
 
 def test_there_are_lesson11_pilots():
     assert len(PILOTS) >= 8
+
+
+@pytest.mark.parametrize("folder, pattern", [("lesson02_pilots", "labels_300_lr_*.json"),
+                                             ("lesson11_budget_pilots", "count14_lr_*.json")])
+def test_the_rerun_pilots_readme_quotes_what_choose_gives(folder, pattern):
+    """Each table row of the pilots' README: the arm's mean validation score at each rate, to 4
+    places, and the chosen rate starred, as `pilots.choose` computes them from the records."""
+    from tunix_nb.experiments import pilots
+
+    records = [json.loads(p.read_text()) for p in sorted((RESULTS / folder).glob(pattern))]
+    choice = pilots.choose(records, "learning_rate")
+    readme = (RESULTS / folder / "README.md").read_text()
+    for arms in choice.values():
+        for arm, c in arms.items():
+            row = next(line for line in readme.splitlines() if line.startswith(f"| {arm} |"))
+            for value, s in c["by_value"].items():
+                assert f"{s['mean']:.4f}" + (" *" if value == c["chosen"] else " |") in row, (arm, value)
