@@ -598,3 +598,29 @@ def test_the_rerun_pilots_readme_quotes_what_choose_gives(folder, pattern):
             row = next(line for line in readme.splitlines() if line.startswith(f"| {arm} |"))
             for value, s in c["by_value"].items():
                 assert f"{s['mean']:.4f}" + (" *" if value == c["chosen"] else " |") in row, (arm, value)
+
+
+def test_lesson11s_budget_fair_test_run_is_what_its_readme_says():
+    """The 10-seed count14 run at each arm's own best validation checkpoint: the gain and its
+    seed-level interval that results/lesson11_budget_pilots/README.md quotes."""
+    record = json.loads((RESULTS / "lesson11_gkd_count14_budgets.json").read_text())
+    runs = record["runs"]["long"]
+    assert record["config"]["eval_split"] == "test" and record["config"]["eval_every"] == 40 and len(record["seeds"]) == 10
+    per_seed = lambda key: (np.array([r[key] for r in runs["on_policy"]]) - np.array([r[key] for r in runs["offline"]])).mean(1)  # noqa: E731
+    readme = (RESULTS / "lesson11_budget_pilots" / "README.md").read_text()
+    similarity, exact = stats.seed_interval(per_seed("scores")), stats.seed_interval(per_seed("exact_match"))
+    assert (f"mean {similarity['mean']:.4f}, median {similarity['median']:.4f}" in readme
+            and f"{similarity['ci95'][0]:.4f} to {similarity['ci95'][1]:.4f}" in readme)
+    assert f"{exact['mean']:.4f} ({exact['ci95'][0]:.4f} to {exact['ci95'][1]:.4f})" in readme
+    assert all(r["chosen_step"] in (120, 160) for r in runs["offline"])
+    assert {r["chosen_step"] for r in runs["on_policy"]} <= set(range(200, 321, 40))
+
+
+def test_lesson02s_longer_pilot_is_what_its_readme_says():
+    record = json.loads((RESULTS / "lesson02_pilots" / "labels_300_chosen_lr_1200_steps.json").read_text())
+    readme = (RESULTS / "lesson02_pilots" / "README.md").read_text()
+    for arm, runs in record["runs"]["labels=300"].items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {arm} ("))
+        cells = " | ".join(f"{np.mean(r['scores']):.4f}" for r in runs)
+        steps = ", ".join(str(r["chosen_step"]) for r in runs)
+        assert f"| {cells} | {steps} |" in row, arm
