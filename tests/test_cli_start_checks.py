@@ -26,12 +26,39 @@ def test_an_output_folder_that_cannot_be_written_is_refused_at_the_start(capsys,
     assert "choose a folder you can write to" in err and "Traceback" not in err
 
 
+def test_an_existing_folder_that_cannot_be_written_is_refused_at_the_start(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([*TINY, "--ckpt-dir", "/sys"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "error: --ckpt-dir /sys: cannot write in it" in err and "Traceback" not in err
+
+
 def test_a_file_where_a_folder_would_go_is_refused(tmp_path, capsys):
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(SystemExit):
         cli.main([*TINY, "--ckpt-dir", str(tmp_path / "taken" / "ckpt")])
     assert f"--ckpt-dir: {tmp_path / 'taken'} is a file" in capsys.readouterr().err
     assert not (tmp_path / "taken" / "ckpt").exists()
+
+
+QWEN3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # ChatML's template, max_position_embeddings 128
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "train.jsonl: the file is empty; give it the examples"),
+    (b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "x"}\n',
+     "train.jsonl line 2: byte 0xe9 at column 16 is not UTF-8; save the file as UTF-8"),
+    (b'{"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}\n',
+     "train.jsonl line 1: field 'messages' message 1 has role 'human'; roles are 'system', 'user', 'assistant', "
+     "'tool'. Map the others before training (ShareGPT's 'human' is 'user', 'gpt' is 'assistant')"),
+], ids=["empty", "not utf-8", "sharegpt roles"])
+def test_a_data_file_the_run_cannot_read_right_is_named_in_one_line(tmp_path, capsys, content, message):
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(content)
+    argv = ["sft", "--model", str(QWEN3), "--train-file", str(train), "--batch-size", "1", "--steps", "1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --train-file: ") and message in err and err.count("\n") == 1, err
 
 
 def test_devices_that_jit_would_leave_idle_are_refused(capsys):
@@ -68,7 +95,7 @@ def test_a_truncated_weight_file_is_named_with_the_fix(tmp_path, capsys, keep_by
 def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(tmp_path, capsys):
     import json
 
-    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # max_position_embeddings 128
+    qwen3 = QWEN3
     rows = [{"prompt": "Count: " + " ".join(map(str, range(200))), "completion": " done"}] * 8
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -82,7 +109,7 @@ def test_rows_past_the_models_positions_are_refused_unless_max_length_cuts_them(
 def test_grpo_prompts_and_completions_past_the_models_positions_name_both_fixes(tmp_path, capsys):
     """GRPO samples --max-new-tokens after each prompt: the refusal names a --max-length that leaves room
     for them, and fewer --max-new-tokens; a --max-length one token longer is refused too."""
-    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # max_position_embeddings 128
+    qwen3 = QWEN3
     rows = [{"prompt": "Count: " + " ".join(map(str, range(200))), "completion": " done"}] * 4
     train = tmp_path / "prompts.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -104,7 +131,7 @@ def test_grpo_prompts_and_completions_past_the_models_positions_name_both_fixes(
 def test_a_generate_prompt_past_the_models_positions_is_refused_unless_max_length_cuts_it(capsys):
     from tunix_nb import generate
 
-    qwen3 = Path(__file__).parent / "fixtures" / "hf" / "qwen3"  # max_position_embeddings 128
+    qwen3 = QWEN3
     argv = ["--model", str(qwen3), "--prompt", "Count: " + " ".join(map(str, range(200))), "--max-new-tokens", "8"]
     assert generate.main(argv) == 2
     err = capsys.readouterr().err
