@@ -261,33 +261,12 @@ def test_length_normalized_dpo_runs_and_is_part_of_the_run_config(tmp_path, caps
     assert "(length_normalize: saved True, given False)" in capsys.readouterr().err
 
 
-def test_a_preemption_notice_saves_the_step_in_flight_and_resumes_bitwise(cli, env, tmp_path, reference):
-    """A preemption notice (SIGTERM) from outside the process off the save interval: the run saves the
-    step in flight, not the last --save-every step, says so in one line, exits 143, and resumes to the
-    same bits. (SIGINT: in this process, below; through a process: tests/test_grpo.py.)"""
-    signum, code, after_step = signal.SIGTERM, 143, 37
-    ckpt, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
-    argv = [*RUN, "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
-    stopped = preempt.run_and_signal(argv, metrics_file=metrics, signum=signum, after_step=after_step, env=env)
-    assert stopped["returncode"] == code, stopped["stderr"][-2000:]
-    saved = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-    print(f"{signal.Signals(signum).name} after step {stopped['signalled_after']}: saved step {saved}")
-    # the step in flight (the metrics file lags a step or two), not the last --save-every step before it
-    assert stopped["signalled_after"] <= saved <= stopped["signalled_after"] + 3
-    assert f"Stopped by {signal.Signals(signum).name} after step {saved} of 240: saved step {saved}" in stopped["stdout"]
-    assert "Traceback" not in stopped["stderr"] and not list(ckpt.glob(f"*{preempt.TMP_SUFFIX}*"))
-    resumed = cli(*argv)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"Resuming from the checkpoint at step {saved}" in resumed.stdout
-    assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(reference[0]))
-    assert metrics.read_text() == reference[1].read_text()
-
-
 def test_ctrl_c_in_process_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, capsys, monkeypatch):
     """SIGINT raised in cli.main's own process (a notebook's interrupt) as step 2 is logged, off the
     save interval (5): step 3, the one in flight (steps are dispatched before the last one is logged),
     is saved, main returns 130, the handler of before is back, and the resumed run ends on the bits
-    and metrics of a run never stopped."""
+    and metrics of a run never stopped. (SFT's SIGTERM through the command, to one of two processes:
+    tests/test_multiprocess.py; GRPO's signals: tests/test_grpo.py.)"""
     from stop_signal_probe import signal_at_step
 
     from tunix_nb import tracking

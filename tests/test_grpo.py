@@ -355,68 +355,63 @@ def long_argv(init_from, ckpt, metrics):
     return [*grpo_argv(init_from, ckpt, metrics), "--steps", "12", "--save-every", "4"]
 
 
-@pytest.fixture(scope="module")
-def one_device_env(tmp_path_factory):
-    """Each run its own process on one device, sharing a compilation cache (how long a run takes, not what
-    it computes)."""
+def command_env() -> dict:
+    """The environment of a run of the command in a process of its own: this one's, simulated devices
+    and all, so that its steps compute as this process's do, to the bit; the compilation cache is
+    shared too (how long a run takes, not what it computes)."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    return env
+    return dict(os.environ)
 
 
-def run_command(argv, env):
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "tunix_nb.train", *argv], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+# A run in this process and runs of the command in processes of their own are compared to the bit:
+# both must compute on the CPU (with TUNIX_NB_TEST_ON_ACCELERATOR this one runs on the chip).
+SAME_BACKEND = pytest.mark.cpu_only(reason="compares this process's run with a command's on the CPU, to the bit")
 
 
 @pytest.fixture(scope="module")
-def long_whole_run(tmp_path_factory, tiny_sft, one_device_env):
-    """long_argv's run, uninterrupted, in its own process: (its --ckpt-dir, its --metrics-file)."""
+def long_whole_run(tmp_path_factory, tiny_sft):
+    """long_argv's run, uninterrupted, in this process (on one of its devices, as a process of its own
+    runs on its one): (its --ckpt-dir, its --metrics-file)."""
     root = tmp_path_factory.mktemp("grpo_long_whole")
-    run_command(long_argv(tiny_sft, root / "whole", root / "whole.jsonl"), one_device_env)
+    assert cli_module.main(long_argv(tiny_sft, root / "whole", root / "whole.jsonl")) == 0
     return root / "whole", root / "whole.jsonl"
 
 
-def test_cli_grpo_killed_mid_run_resumes_bitwise(tmp_path, tiny_sft, one_device_env, long_whole_run):
+@SAME_BACKEND
+def test_cli_grpo_killed_mid_run_resumes_bitwise(tmp_path, tiny_sft, long_whole_run, capsys):
     """SIGKILL between saves, then the same command again: the same bits as a run never killed
     (the rollouts' sampling keys are a function of seed and step)."""
     from tunix_nb import preempt
 
     cut, metrics = tmp_path / "cut", tmp_path / "cut.jsonl"
     killed = preempt.run_and_kill(long_argv(tiny_sft, cut, metrics), ckpt_dir=cut, metrics_file=metrics,
-                                  when="between_saves", after_step=6, env=one_device_env, timeout=300)
+                                  when="between_saves", after_step=6, env=command_env(), timeout=300)
     assert killed["killed"] and killed["step"] < 12, killed
-    assert "Resuming from the checkpoint" in run_command(long_argv(tiny_sft, cut, metrics), one_device_env).stdout
+    assert cli_module.main(long_argv(tiny_sft, cut, metrics)) == 0  # resumed here: the kill was the command's
+    assert "Resuming from the checkpoint" in capsys.readouterr().out
     assert compare.bitwise_equal(checkpoint.load_params(long_whole_run[0]), checkpoint.load_params(cut))
     assert without_times(long_whole_run[1]) == without_times(metrics)
 
 
-def test_cli_grpo_ctrl_c_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, tiny_sft, one_device_env,
-                                                                      long_whole_run):
+@SAME_BACKEND
+def test_cli_grpo_ctrl_c_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, tiny_sft, long_whole_run, capsys):
     """SIGINT from outside the process once step 5 is logged, off the save interval (4): the run
     saves the step in flight, not step 4, exits 130 in one line, and resumes to the bits of a run
-    never stopped. (SIGTERM: in this process, below; both through a process: tests/test_cli.py, SFT.)"""
+    never stopped. (SIGTERM: in this process, below; SFT's: tests/test_cli.py, tests/test_multiprocess.py.)"""
     from tunix_nb import preempt
 
     cut, metrics = tmp_path / "cut", tmp_path / "cut.jsonl"
     stopped = preempt.run_and_signal(long_argv(tiny_sft, cut, metrics), metrics_file=metrics, signum=signal.SIGINT,
-                                     after_step=5, env=one_device_env, timeout=300)
+                                     after_step=5, env=command_env(), timeout=300)
     assert stopped["returncode"] == 130, stopped["stderr"][-2000:]
     saved = max(int(p.name) for p in cut.iterdir() if p.name.isdigit())
     print(f"SIGINT after step {stopped['signalled_after']}: saved step {saved}")
     assert stopped["signalled_after"] <= saved < 12  # the step in flight (the metrics file may lag a step)
     assert f"Stopped by SIGINT after step {saved} of 12: saved step {saved}" in stopped["stdout"]
     assert "Traceback" not in stopped["stderr"] and not list(cut.glob(f"*{preempt.TMP_SUFFIX}*"))
-    resumed = run_command(long_argv(tiny_sft, cut, metrics), one_device_env)
-    assert f"Resuming from the checkpoint at step {saved}" in resumed.stdout
+    assert cli_module.main(long_argv(tiny_sft, cut, metrics)) == 0  # resumed here: the stop was the command's
+    assert f"Resuming from the checkpoint at step {saved}" in capsys.readouterr().out
     assert compare.bitwise_equal(checkpoint.load_params(long_whole_run[0]), checkpoint.load_params(cut))
     assert without_times(long_whole_run[1]) == without_times(metrics)
 

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -95,13 +96,19 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step_and_resumes_bitw
     assert f"[process 0] Stopped by SIGTERM after step {saved} of 12: saved step {saved}" in out
     assert "launch: all 2 processes stopped by SIGTERM, after saving the step they agreed on" in out
     assert "Traceback" not in out and not list(ckpt.glob(f"*{preempt.TMP_SUFFIX}*"))
+    whole, errors = tmp_path / "whole", tempfile.TemporaryFile(mode="w+")  # a file: a full pipe would stall it
+    # the run never stopped, beside the resumed one: their processes wait on each other, it fills the gaps
+    never_stopped = subprocess.Popen([sys.executable, "-m", "tunix_nb.train", *STOP_RUN, "--devices", "2",
+                                      "--ckpt-dir", str(whole), "--metrics-file", str(tmp_path / "whole.jsonl")],
+                                     stdout=subprocess.DEVNULL, stderr=errors, text=True, env=devices.child_env())
     lines = []
-    assert launch.launch(argv, processes=2, devices_per_process=1, timeout_s=240, print_fn=lines.append) == 0, lines
+    try:
+        resumed = launch.launch(argv, processes=2, devices_per_process=1, timeout_s=240, print_fn=lines.append)
+    finally:
+        never_stopped_code = never_stopped.wait(timeout=240)
+    errors.seek(0)
+    assert resumed == 0 and never_stopped_code == 0, (lines, errors.read()[-3000:])
     assert f"[process 0] Resuming from the checkpoint at step {saved}" in "\n".join(lines)
-    whole = tmp_path / "whole"
-    subprocess.run([sys.executable, "-m", "tunix_nb.train", *STOP_RUN, "--devices", "2", "--ckpt-dir", str(whole),
-                    "--metrics-file", str(tmp_path / "whole.jsonl")], check=True, capture_output=True,
-                   env=devices.child_env(), timeout=240)
     assert compare.bitwise_equal(checkpoint.load_params(ckpt), checkpoint.load_params(whole))
     assert metrics.read_text() == (tmp_path / "whole.jsonl").read_text()
 
