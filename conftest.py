@@ -96,8 +96,6 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
-    import pytest
-
     marker = item.get_closest_marker("cpu_only")
     if marker is not None and ON_ACCELERATOR:
         pytest.skip(f"CPU only: {marker.kwargs.get('reason') or (marker.args or [''])[0]}")

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tunix_nb.experiments import stats
-
-
-def _mean_score(runs: list[dict]) -> list[float]:
-    return [float(np.mean(run["scores"])) for run in runs]
+from tunix_nb.experiments import runner, stats
 
 
 def _value(config: dict, fields: list[str]):
@@ -47,7 +43,7 @@ def choose(records: list[dict], field: str) -> dict:
     for setting in records[0]["runs"]:
         out[setting] = {}
         for arm in records[0]["runs"][setting]:
-            by_value = {_value(r["config"], fields): stats.seed_interval(_mean_score(r["runs"][setting][arm]))
+            by_value = {_value(r["config"], fields): stats.seed_interval(np.mean(runner.scores(r, setting, arm), axis=1))
                         for r in records}
             steps = {_value(r["config"], fields): [run.get("chosen_step") for run in r["runs"][setting][arm]]
                      for r in records}
