@@ -150,7 +150,7 @@ def test_backend_defaults():
     assert devices.defaults_for("cpu").compute_dtype == "float32"
     assert devices.defaults_for("tpu").compute_dtype == "bfloat16"
     assert devices.defaults_for("gpu").compute_dtype == "bfloat16"
-    assert devices.defaults_for().backend == "cpu"
+    assert devices.defaults_for().backend == jax.default_backend()  # the backend JAX runs on
     assert all(devices.defaults_for(b).param_dtype == "float32" for b in ("cpu", "gpu", "tpu"))
     with pytest.raises(ValueError, match="Unknown backend 'npu'"):
         devices.defaults_for("npu")
@@ -233,9 +233,10 @@ def test_a_count_in_xla_flags_does_not_hide_an_accelerator(monkeypatch):
 
 
 def test_check_backend_warns_when_an_accelerator_is_left_unused(monkeypatch, recwarn):
-    devices.check_backend()  # the tests' CPU runtime: nothing to say
+    devices.check_backend()  # JAX runs on the runtime's accelerator, or the runtime has none: nothing to say
     assert not recwarn.list
     fake_tpu_runtime(monkeypatch)  # a TPU hint, but this JAX runs on CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # also where the tests hold a chip
     with pytest.warns(UserWarning, match=r"has a TPU, but JAX is running on CPU\. On Colab: restart the runtime"):
         devices.check_backend()
 
@@ -255,7 +256,9 @@ def test_the_command_says_which_dtype_auto_chose(tmp_path, capsys):
     from tunix_nb import cli
 
     assert cli.main(["sft", "--steps", "1", "--batch-size", "4", "--metrics-file", str(tmp_path / "m.jsonl")]) == 0
-    assert "--compute-dtype auto: float32 (CPUs have no fast bfloat16 matmul)" in capsys.readouterr().out
+    chosen = {"cpu": "float32 (CPUs have no fast bfloat16 matmul)",
+              "tpu": "bfloat16 (tpu has native bfloat16 matmuls)"}[jax.default_backend()]
+    assert f"--compute-dtype auto: {chosen}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("hint_env, quick_compile, user_value, expected", [

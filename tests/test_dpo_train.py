@@ -222,6 +222,6 @@ def test_the_command_starts_at_ln2_in_float32(tmp_path):
     from tunix_nb import cli
 
     metrics = tmp_path / "m.jsonl"
-    assert cli.main(["dpo", "--steps", "1", "--batch-size", "8", "--reference-in-step",
+    assert cli.main(["dpo", "--steps", "1", "--batch-size", "8", "--reference-in-step", "--compute-dtype", "float32",
                      "--metrics-file", str(metrics)]) == 0
     assert json.loads(metrics.read_text())["loss"] == pytest.approx(math.log(2), abs=1e-6)

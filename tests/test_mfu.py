@@ -89,16 +89,21 @@ def test_chips_not_in_the_table_have_no_peak(kind):
     assert mfu.peak_for(kind) is None
 
 
+CPU_DEVICE = types.SimpleNamespace(device_kind="cpu", platform="cpu")
+
+
 def test_the_peak_of_the_device_jax_sees(monkeypatch):
-    """JAX's first device, faked as a v5e chip (the CPU tests cannot hold one)."""
-    assert mfu.device_peak() is None  # the tests' CPU
+    """JAX's first device, faked as a CPU and as a v5e chip (whichever backend the tests run on)."""
+    assert mfu.device_peak() == mfu.peak_for(jax.devices()[0].device_kind)
+    monkeypatch.setattr(jax, "devices", lambda *a: [CPU_DEVICE])
+    assert mfu.device_peak() is None
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")])
     peak = mfu.device_peak()
     assert peak.chip == "TPU v5e" and mfu.utilisation(197e12 * 0.5, 1.0, peak) == 0.5
 
 
 def test_the_bench_group_measures_a_real_size_model_on_a_chip_only(monkeypatch):
-    """The mfu group's dispatch, on the tests' CPU and on a faked v5e: the small model's figure
+    """The mfu group's dispatch, on a faked CPU and on a faked v5e: the small model's figure
     stays the CPU's; on the chip, train_step_mfu is the real-size model's, the small one a detail."""
     from tunix_nb.bench import mfu as group
 
@@ -108,6 +113,7 @@ def test_the_bench_group_measures_a_real_size_model_on_a_chip_only(monkeypatch):
     monkeypatch.setattr(group, "bench_mfu", lambda repeats, quick: {k: dict(v) for k, v in small.items()})
     monkeypatch.setattr(group, "bench_mfu_on_chip", lambda peak, repeats, **kw: chip_calls.append((peak, kw)) or {
         "train_step_mfu": {"value": 0.3, "chip": peak.chip}})
+    monkeypatch.setattr(jax, "devices", lambda *a: [CPU_DEVICE])  # also where the tests hold a chip
     assert group.measure(quick=True, repeats=3) == small and chip_calls == []
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(device_kind="TPU v5 lite", platform="tpu")])
     figures = group.measure(quick=True, repeats=3)

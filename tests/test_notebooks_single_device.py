@@ -12,7 +12,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 # What makes a lesson's path depend on how many devices there are.
@@ -40,11 +39,15 @@ def test_the_device_check_sees_device_code():
     assert DEVICE_DEPENDENT.search(_code(next(p for p in NOTEBOOKS if p.name.startswith("03_"))))
 
 
+@pytest.mark.cpu_only(reason="one simulated CPU device through a Jupyter kernel; on a chip the lesson record "
+                             "(python -m tunix_nb.lessons run) runs each lesson on the one chip, in-process")
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name not in DEVICE_INDEPENDENT],
                          ids=lambda p: p.name)
 def test_notebook_runs_on_one_device(path, monkeypatch, tmp_path):
     """Run from a fresh working directory, not notebooks/ (Colab's is /content), so that
     nothing reads a path relative to the notebook's folder."""
+    from nbclient import NotebookClient  # Jupyter's, which the chip's lesson install does not hold
+
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("TUNIX_NB_DEVICES", "1")  # the setup cell then simulates 1 device
     nb = nbformat.read(path, as_version=4)

@@ -29,6 +29,8 @@ def loss_and_grads(graphdef, params, batch):
     return jax.jit(jax.value_and_grad(lambda p: objective(p, batch)[0]))(params)
 
 
+@pytest.mark.cpu_only(reason="XLA's CPU dot gives a [B, L, D] and a [B*L, D] product the same bits; a TPU tiles "
+                             "the two shapes differently (test_remat_gives_the_same_update checks agreement there)")
 @pytest.mark.parametrize("preset", ["tiny", "student", "teacher"])
 def test_linears_on_token_rows_give_the_same_bits(preset):
     """model.per_token reshapes, nothing else: logits, loss and gradients are bitwise those
@@ -56,6 +58,8 @@ def silu_gradient_layout_copies(graphdef, params, batch) -> int:
                re.match(r"\s*%?\S*copy\S* = ", line))
 
 
+@pytest.mark.cpu_only(reason="the transposed copy is XLA's CPU code for SiLU's gradient on [B, L, D]; the TPU's "
+                             "compiled step had none before the fix either (share s3 of the chip's run)")
 def test_the_fix_removes_the_transposed_copy_of_silus_gradient():
     graphdef, params = mlp_heavy_model()
     batch = sft_batch()
@@ -77,7 +81,10 @@ def test_op_profile_names_the_ops_and_where_they_come_from():
     # each op with its shape, and (where XLA kept it) the JAX operation it came from
     assert profile["top_ops"] and all(op["shape"] for op in profile["top_ops"])
     assert any(op["source"].startswith("jit(step)/") for op in profile["top_ops"])
-    assert any("dot" in k["kind"] or "ynn" in k["kind"] for k in profile["by_kind"])  # the matmuls
+    # the matmuls: by kind on a CPU (XLA's "dot", XNNPACK's "ynn" fusions); a TPU names its fusions
+    # otherwise (e.g. "convolution"), so also by the JAX operation a top op comes from
+    assert (any(re.search("dot|ynn|convolution", k["kind"]) for k in profile["by_kind"])
+            or any(op["source"].endswith("dot_general") for op in profile["top_ops"]))
 
 
 def test_remat_gives_the_same_update_and_is_switched_on_a_built_model():
@@ -131,7 +138,9 @@ def test_the_training_command_takes_remat_and_resumes_either_way(tmp_path):
     from tunix_nb import checkpoint
     from tunix_nb import cli as cli_module
 
-    base = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "6", "--save-every", "3"]
+    # float32: "auto" is bfloat16 on an accelerator, where remat's recomputation may round otherwise
+    base = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "6", "--save-every", "3",
+            "--compute-dtype", "float32"]
     assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "plain")]) == 0
     assert cli_module.main([*base, "--remat", "--stop-after", "3", "--ckpt-dir", str(tmp_path / "remat")]) == 0
     # not run-defining: the same run continues without it

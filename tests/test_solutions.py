@@ -373,7 +373,9 @@ def test_lesson10_ex1_adapter_parameters_in_closed_form():
 
 def test_lesson10_ex2_b_at_zero_starts_at_the_base_and_random_b_does_not():
     out = lesson10.start_with_random_b()
-    assert out["b_zero"] == 0.0 and out["b_random"] > 5.0
+    assert out["b_zero"] <= out["float32_bound"] and out["b_random"] > 5.0
+    if jax.default_backend() == "cpu":  # the adapted program computes the base's products alike there
+        assert out["b_zero"] == 0.0
 
 
 def test_lesson10_ex3_int8_costs_little_and_nf4_costs_more():

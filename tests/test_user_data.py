@@ -356,11 +356,16 @@ def test_a_hub_dataset_id_is_read_with_its_split_and_revision(tmp_path, monkeypa
     import datasets
 
     rows = [{"prompt": "add 1+2=", "completion": "3"}, {"prompt": "add 2+2=", "completion": "4"}]
+    splits = {"train": write(tmp_path / "hub_train.jsonl", rows),
+              "test": write(tmp_path / "hub_test.jsonl", rows[:1] + [{"prompt": "x", "completion": ""}])}
     asked = []
+    load_dataset = datasets.load_dataset
 
+    # the split's rows as a Dataset, read by `datasets` from a file (Dataset.from_list's fingerprint
+    # pickles pyarrow types, which failed with the TPU test machine's pyarrow: share s3)
     def from_the_hub(path, split=None, revision=None, **kwargs):
         asked.append((path, split, revision))
-        return datasets.Dataset.from_list(rows if split == "train" else rows[:1] + [{"prompt": "x", "completion": ""}])
+        return load_dataset("json", data_files=str(splits[split]), split="train")
 
     local = user_data.sft_arrays(write(tmp_path / "same.jsonl", rows), byte)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)

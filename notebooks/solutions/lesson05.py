@@ -4,13 +4,13 @@ Every function writes under a `workdir` it is given (a temporary directory in th
 tests). The kill-and-resume drills of the lesson itself, and the damaged-checkpoint
 cases, are tested at full length in tests/test_cli.py and tests/test_checkpoint.py;
 these functions answer the exercises with shorter runs of the same tools
-(`preempt.run_and_kill`, the CLI's `main`, `checkpoint.save`/`restore`).
+(`preempt.run_and_kill`, the training command, `checkpoint.save`/`restore`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunix_nb import checkpoint, cli, compare, data, model, preempt, train
+from tunix_nb import checkpoint, compare, data, devices, model, preempt, train
 from solutions import lesson03
 from tunix_nb.tokenizer import ByteTokenizer
 
@@ -31,14 +31,15 @@ def _steps_on_disk(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir() if p.name[0].isdigit()) if run.is_dir() else []
 
 
-def _cli_here(argv) -> str:
-    """Run `python -m tunix_nb.train *argv` in this process (no JAX start-up); returns its stdout."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main([str(a) for a in argv])
-    if code:
-        raise RuntimeError(f"the CLI exited with {code}: {out.getvalue()[-2000:]}")
-    return out.getvalue()
+def _cli_beside_the_killed_run(argv) -> str:
+    """Run `python -m tunix_nb.train *argv` in a child process, where the killed run ran (on the
+    CPU: `devices.child_env()`, run_and_kill's default), so that its losses can equal the killed
+    run's bit for bit also where this process holds a chip; returns its stdout."""
+    done = subprocess.run([sys.executable, "-m", "tunix_nb.train", *map(str, argv)], env=devices.child_env(),
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"the CLI exited with {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
+    return done.stdout
 
 
 # ------------------------------------------------------------------------- exercise 1
@@ -72,7 +73,7 @@ def kill_during_first_save(workdir, *, steps: int = 40, save_every: int = 20, ti
 
 
 def restart_after_kill(workdir, killed: dict, *, uninterrupted: bool = False) -> dict:
-    """The second half of exercise 1: run the killed command again, here, to the end; compare.
+    """The second half of exercise 1: run the killed command again, to the end; compare.
 
     `killed` is `kill_during_first_save`'s report. Returns "in_flight" (the temporary
     directories at the kill), "committed_at_kill", "resumed" (whether the restart printed
@@ -85,7 +86,7 @@ def restart_after_kill(workdir, killed: dict, *, uninterrupted: bool = False) ->
     """
     workdir = Path(workdir)
     argv = _argv(workdir, killed["steps"], killed["save_every"])
-    restart = _cli_here(argv)
+    restart = _cli_beside_the_killed_run(argv)
     run, logged = workdir / "preempted", killed["metrics"]
     out = {"in_flight": killed["in_flight"], "committed_at_kill": killed["committed_at_kill"],
            "resumed": "Resuming" in restart, "left_over": [n for n in _steps_on_disk(run) if preempt.TMP_SUFFIX in n],
@@ -93,7 +94,7 @@ def restart_after_kill(workdir, killed: dict, *, uninterrupted: bool = False) ->
            "same_losses": logged == _metrics_lines(workdir / "preempted.jsonl")[:len(logged)]}
     if uninterrupted:
         reference = workdir / "uninterrupted"
-        _cli_here([*argv[:9], "--ckpt-dir", str(reference)])
+        _cli_beside_the_killed_run([*argv[:9], "--ckpt-dir", str(reference)])
         out["bit_identical"] = compare.bitwise_equal(checkpoint.load_params(run), checkpoint.load_params(reference))
     return out
 

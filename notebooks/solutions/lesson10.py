@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_nb import checkpoint, data, lora, model, sft
+from tunix_nb import checkpoint, compare, data, lora, model, sft
 from tunix_nb.tokenizer import ByteTokenizer
 
 PROJECTIONS = ("q", "k", "v", "out", "gate", "up", "down")
@@ -34,8 +34,11 @@ def start_with_random_b(rank: int = 16) -> dict:
     """Exercise 2: the largest logit change at the start, with B = 0 (LoRA's choice) and
     with B drawn like A. With B random the "fine-tune" starts from a different model:
     the base's skills are perturbed before the first step, and DPO's reference (the base)
-    no longer equals the policy at step 1."""
-    graphdef, params, _ = checkpoint.load_model(data.DATA_DIR / "sft_student")
+    no longer equals the policy at step 1. "float32_bound": how far two float32 forward passes
+    of one model may differ (lesson 10's merge bound): B = 0 gives 0.0 on a CPU, where the
+    adapted program computes the base's products alike, and stays within it elsewhere."""
+    graphdef, params, meta = checkpoint.load_model(data.DATA_DIR / "sft_student")
+    config = model.get_config(checkpoint.model_preset(meta, data.DATA_DIR / "sft_student"))
     lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=rank)
     tokens = jnp.asarray(data.sft_arrays(data.load_sft()[:16], ByteTokenizer(), 24)["inputs"])
     start = model.apply(graphdef, params, tokens)
@@ -49,7 +52,10 @@ def start_with_random_b(rank: int = 16) -> dict:
 
     randomised = jax.tree_util.tree_map_with_path(draw_b, adapters)
     diff = lambda a: float(jnp.abs(model.apply(lora_graphdef, lora.combine(a, base), tokens) - start).max())  # noqa: E731
-    return {"b_zero": diff(adapters), "b_random": diff(randomised)}
+    terms = compare.forward_pass_terms(config, tokens.shape[1]) + rank
+    bound = compare.float32_bound(terms, transcendentals=compare.forward_pass_transcendentals(config))
+    return {"b_zero": diff(adapters), "b_random": diff(randomised),
+            "float32_bound": bound * float(jnp.abs(start).max())}
 
 
 def quantisation_cost(n_eval: int = 200) -> dict:

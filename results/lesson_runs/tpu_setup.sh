@@ -10,11 +10,22 @@ SITE="${TMPDIR:-/tmp}/tunix_site"
 grep -v -E '^(jax|jaxlib|scipy)==' requirements-lessons.txt | grep -E '^[A-Za-z]' > "$SITE.pins"
 echo "ipython" >> "$SITE.pins"
 echo "pytest-timeout" >> "$SITE.pins"
-# what the unit tests import beyond the lessons (requirements.txt brings them with Jupyter)
-echo "nbformat" >> "$SITE.pins"
-echo "httpx" >> "$SITE.pins"
-[ -d "$SITE/flax" ] || PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
-    --index-url file:///opt/pypi/simple --find-links .whl-tpu --target "$SITE" -r "$SITE.pins" 2>&1 | grep -v -i warning || true
+pip_here() {
+    local log rc
+    log=$(PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+        --index-url file:///opt/pypi/simple --find-links .whl-tpu --target "$SITE" "$@" 2>&1)
+    rc=$?
+    printf '%s\n' "$log" | grep -v -i warning
+    return $rc
+}
+# all at once; where that fails, pin by pin, so that one pin neither carried nor in the index
+# is named and the others still install
+if [ ! -d "$SITE/flax" ] && ! pip_here -r "$SITE.pins"; then
+    while read -r pin; do pip_here "$pin" || echo "tpu_setup: could not install $pin"; done < "$SITE.pins"
+fi
+# what the unit tests import beyond the lessons (requirements.txt brings them with Jupyter), apart,
+# so that the lessons' install does not hang on them
+[ -d "$SITE/nbformat" ] || pip_here nbformat httpx || echo "tpu_setup: could not install nbformat httpx"
 # pip brings its own jax, jaxlib and numpy along: the machine's own stay
 rm -rf "$SITE"/jax "$SITE"/jax-* "$SITE"/jaxlib "$SITE"/jaxlib-* "$SITE"/numpy "$SITE"/numpy-* "$SITE"/numpy.libs "$SITE"/libtpu* "$SITE"/bin
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD"
