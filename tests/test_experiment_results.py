@@ -616,11 +616,14 @@ def test_lesson11s_budget_fair_test_run_is_what_its_readme_says():
     assert {r["chosen_step"] for r in runs["on_policy"]} <= set(range(200, 321, 40))
 
 
-def test_lesson02s_longer_pilot_is_what_its_readme_says():
-    record = json.loads((RESULTS / "lesson02_pilots" / "labels_300_chosen_lr_1200_steps.json").read_text())
+@pytest.mark.parametrize("steps", [1200, 2400])
+def test_lesson02s_longer_pilots_are_what_their_readme_says(steps):
+    record = json.loads((RESULTS / "lesson02_pilots" / f"labels_300_chosen_lr_{steps}_steps.json").read_text())
+    assert record["config"]["steps"] == steps and record["config"]["eval_split"] == "validation"
     readme = (RESULTS / "lesson02_pilots" / "README.md").read_text()
+    table = readme.split(f"chosen step of {steps:,}):")[1]  # the table after its heading
     for arm, runs in record["runs"]["labels=300"].items():
-        row = next(line for line in readme.splitlines() if line.startswith(f"| {arm} ("))
+        row = next(line for line in table.splitlines() if line.startswith(f"| {arm} ("))
         cells = " | ".join(f"{np.mean(r['scores']):.4f}" for r in runs)
         steps = ", ".join(str(r["chosen_step"]) for r in runs)
         assert f"| {cells} | {steps} |" in row, arm
