@@ -374,6 +374,8 @@ README_FIGURES = [
     Figure("the test command's time", "The test command took {} s on a 2-core machine", TEST_COMMAND,
            (("runs", 0, "pytest_seconds"),)),
     Figure("the test command's tests", "for {} passing tests", TEST_COMMAND, (("runs", 0, "tests", "passed"),)),
+    Figure("the test command's time, the run before", "{} s in the run before", TEST_COMMAND,
+           (("runs", 1, "pytest_seconds"),)),
 ]
 
 RESULTS_FIGURES = on(RESULTS, [
