@@ -1,5 +1,7 @@
 """Tests for tunix_nb.rewards: hand-computed rewards, the weighted sum, metrics and errors."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,24 @@ def test_reward_metrics_names_and_values():
     assert m["rewards/exact_match/mean"] == 0.75 and m["rewards/exact_match/std"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="groups of group_size=3"):
         rewards.reward_metrics(out, group_size=3)
+
+
+def test_reward_funcs_come_from_the_file_found_now(tmp_path, monkeypatch):
+    """A notebook kernel that ran the command with one my_rewards.py, then edits it or moves to
+    another folder with its own, gets the new functions, not the module cached from the first."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    (first / "kit_test_rewards.py").write_text("def exact(prompts, completions, **_):\n    return [1.0] * len(completions)\n")
+    (second / "kit_test_rewards.py").write_text("def length(prompts, completions, **_):\n    return [0.5] * len(completions)\n")
+    try:
+        monkeypatch.chdir(first)
+        assert rewards.load_reward_funcs("kit_test_rewards:exact")["exact"](["p"], ["c"]) == [1.0]
+        monkeypatch.chdir(second)
+        assert rewards.load_reward_funcs("kit_test_rewards:length")["length"](["p"], ["c"]) == [0.5]
+        with pytest.raises(ValueError, match="has no function 'exact'"):
+            rewards.load_reward_funcs("kit_test_rewards:exact")
+        (second / "kit_test_rewards.py").write_text("def length(prompts, completions, **_):\n    return [2.25] * len(completions)\n")
+        assert rewards.load_reward_funcs("kit_test_rewards:length")["length"](["p"], ["c"]) == [2.25]
+        assert rewards.load_reward_funcs("tunix_nb.rewards:exact_match")["exact_match"] is rewards.exact_match
+    finally:
+        sys.modules.pop("kit_test_rewards", None)

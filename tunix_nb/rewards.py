@@ -30,6 +30,7 @@ import numbers
 import os
 import string
 import sys
+import sysconfig
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -252,12 +253,28 @@ def load_reward_funcs(spec: str) -> dict[str, RewardFn]:
     return funcs
 
 
+def _is_users_own(module) -> bool:
+    """Whether `module` is a user's .py file: not installed and not the standard library,
+    so importing it again is safe (a C extension or an installed package is never reimported)."""
+    path = getattr(module, "__file__", None) or ""
+    kit = os.path.dirname(os.path.abspath(__file__))
+    installed = {sysconfig.get_path(key) for key in ("purelib", "platlib", "stdlib", "platstdlib")} | {kit}
+    return path.endswith(".py") and not any(path.startswith(root) for root in installed if root)
+
+
 def _import_reward_module(entry: str, module_name: str):
-    """Import `module_name`, looking in the working directory too (as `python -m` does)."""
+    """Import `module_name`, looking in the working directory too (as `python -m` does).
+
+    A module imported before is imported again from the file found now: in a notebook
+    the user edits my_rewards.py, or moves to another folder with its own, and runs
+    the command again in the same kernel."""
     added = os.getcwd() not in sys.path
     if added:
         sys.path.insert(0, os.getcwd())
     try:
+        importlib.invalidate_caches()  # a file written moments ago is not in the finders' listings yet
+        if _is_users_own(sys.modules.get(module_name)):
+            del sys.modules[module_name]
         return importlib.import_module(module_name)
     except Exception as err:  # not found, or the module itself fails: either way the user's fix
         raise ValueError(f"--reward-funcs {entry!r}: could not import module {module_name!r} "
