@@ -40,7 +40,7 @@ FIGURES = {name: (g, *target) for g in GROUPS for name, target in group(g).FIGUR
 def run(groups, *, quick: bool, out_dir: Path, progress: bool = True, repeats: int | None = None) -> dict:
     """Time the figures of `groups` (names from GROUPS) into DIR/bench.json (merged with what
     is there) and write the plots; returns the results."""
-    from tqdm.auto import tqdm
+    from tunix_nb import progress as progress_bars
 
     alone = [g for g in groups if g not in GROUPS]
     if alone:
@@ -54,7 +54,7 @@ def run(groups, *, quick: bool, out_dir: Path, progress: bool = True, repeats: i
                            "method": "each figure is the median of per-round ratios (spread: quartiles, min, "
                            "max): every round times each contender once, in rotating order, after 2 "
                            "warm-up calls; fast calls several per sample"}
-    bar = tqdm(groups, desc="bench", disable=not progress)
+    bar = progress_bars.bar(groups, desc="bench", disable=not progress)
     for name in bar:
         bar.set_postfix(figure=name)
         figures = group(name).measure(quick=quick, repeats=repeats)

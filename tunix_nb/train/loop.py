@@ -12,9 +12,8 @@ from typing import Callable
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
-
 from tunix_nb import parallel
+from tunix_nb import progress as progress_bars
 from tunix_nb.train.step import PARALLEL_MODES
 
 
@@ -52,7 +51,7 @@ def run(step_fn, params, opt_state, batch_fn: Callable[[int], dict], *, steps: i
     place = Placement(step_fn, parallel_mode, keep_placement, caller="run()")
     params, opt_state, frozen = place.state(params, opt_state, frozen, copy=not hand_over)
 
-    with StepLog(place.metrics, on_step, tqdm(total=steps, desc=desc, disable=not progress)) as log:
+    with StepLog(place.metrics, on_step, progress_bars.bar(total=steps, desc=desc, disable=not progress)) as log:
         for step in range(start_step, start_step + steps):
             params, opt_state, metrics = step_fn(params, opt_state, place.batch(batch_fn(step)), frozen)
             log.push(step + 1, metrics)  # logs the step before, whose metrics are ready or nearly so
@@ -241,7 +240,7 @@ def run_on_policy(step_fn, params, opt_state, rollout_fn: Callable, *, steps: in
     params, opt_state, (reference, frozen) = place.state(params, opt_state, (reference, frozen), copy=not hand_over)
     extra = () if frozen is None else (frozen,)
 
-    bar = tqdm(total=steps, desc=desc, disable=not progress)
+    bar = progress_bars.bar(total=steps, desc=desc, disable=not progress)
     with StepLog(place.metrics, on_step, bar, postfix=_loss_and_reward) as log:
         for step in range(start_step, start_step + steps):
             started = time.perf_counter()
