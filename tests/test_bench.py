@@ -53,7 +53,7 @@ def test_details_hold_the_measured_parts(quick_results):
     assert set(figs["dp_overhead"]["per_strategy"]) == {"pmap", "shard_map", "dp"}
     assert set(figs["compile_share"]["per_step"]) == {"03 sft step"}  # --quick compiles one step
     table = figs["lora_optimizer_state_share"]["table"]
-    assert set(table) == {name for name, *_ in bench.LORA_SETTINGS}
+    assert set(table) == {name for name, *_ in bench.QUICK_LORA_SETTINGS} == {"full", "lora r16", "qlora nf4 r16"}
     assert table["full"]["trainable_share"] == 1.0 and 0.3 < table["lora r16"]["trainable_share"] < 0.35
     # Adam's two moments per trainable parameter, float32: the state shrinks with the share
     for row in table.values():

@@ -41,10 +41,10 @@ from tunix_nb.bench.dpo import bench_dpo
 from tunix_nb.bench.compile import bench_compile, compile_times
 from tunix_nb.bench.kv_cache import bench_kv_cache
 from tunix_nb.bench.grpo import bench_grpo
-from tunix_nb.bench.lora import LORA_SETTINGS, bench_lora, lora_setups
+from tunix_nb.bench.lora import LORA_SETTINGS, QUICK_LORA_SETTINGS, bench_lora, lora_setups
 from tunix_nb.bench.remat import MEMORY_SCHEDULER_FLAG, bench_remat, remat_programs, temp_bytes
 
-__all__ = ["DEFAULT_DEVICES", "FIGURES", "GROUPS", "LORA_SETTINGS", "MEMORY_SCHEDULER_FLAG", "OPTIONAL_GROUPS",
+__all__ = ["DEFAULT_DEVICES", "FIGURES", "GROUPS", "LORA_SETTINGS", "MEMORY_SCHEDULER_FLAG", "OPTIONAL_GROUPS", "QUICK_LORA_SETTINGS",
            "RESULTS_DIR", "bench_ckpt", "bench_compile", "bench_dp", "bench_dpo", "bench_grpo", "bench_kv_cache",
            "bench_lora", "bench_mfu", "bench_remat", "bench_vmap", "compile_times", "compiled_cost", "cost",
            "describe", "figure", "fsync_tree", "group", "interleaved_medians", "interleaved_times",
