@@ -46,10 +46,10 @@ QUOTED_GAINS = [
 ]
 
 
-# The bootstrap sums S x N = 5 x 1000 weighted differences through BLAS (np.einsum with
-# optimize), whose summation order follows the processor's kernels: recomputed on another
-# processor, an interval moves in its last bits (2e-16 relative seen). Floats are compared to
-# float64's epsilon times the terms summed; everything else must be equal.
+# A summary sums up to S x N = 5 x 1000 differences (each seed's mean over the prompts, then
+# over the seeds), and numpy's pairwise summation may take another order on another
+# processor's SIMD width: recomputed there, a figure can move in its last bits. Floats are
+# compared to float64's epsilon times the terms summed; everything else must be equal.
 SUMMED_TERMS = 5 * 1000
 FLOAT64_BOUND = np.finfo(np.float64).eps * SUMMED_TERMS
 
@@ -201,7 +201,7 @@ def test_lesson08_the_student_passes_the_pilot_gate(lesson08):
 
 
 @pytest.mark.xfail(strict=True, reason="missed: on-policy - offline edit similarity on the longest third is -0.0002 "
-                   "(95% interval -0.0072 to +0.0070) over 5 seeds; on-policy training lowers the share of errors the "
+                   "(95% interval -0.0083 to +0.0051) over 5 seeds; on-policy training lowers the share of errors the "
                    "student's own prefix causes, but raises its errors after the right prefix more (lesson 11)")
 def test_lesson11_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(lesson11):
     gain = lesson11[1]["on_policy_over_offline_longest_third"]
@@ -241,7 +241,7 @@ def test_lesson11_sorts_own_prefix_errors_are_mostly_answers_a_symbol_short_or_l
 
 @pytest.mark.xfail(strict=True, reason="missed on the second design too: on running counts (40 steps, chosen on "
                    "validation, where it gave +0.0023 on 2 seeds) on-policy - offline edit similarity on the longest "
-                   "third is +0.0006 (95% interval -0.0013 to +0.0025) over 5 seeds (lesson 11)")
+                   "third is +0.0006 (95% interval -0.0012 to +0.0022) over 5 seeds (lesson 11)")
 def test_lesson11_on_running_counts_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(lesson11_count):
     gain = lesson11_count[1]["on_policy_over_offline_longest_third"]
     assert gain["mean"] > 0 and gain["ci95"][0] > 0
@@ -268,7 +268,7 @@ def test_lesson11_on_running_counts_on_policy_corrects_more_miscounts_and_carrie
 def test_lesson11_with_a_one_layer_student_on_policy_beats_offline_in_edit_similarity_on_the_longest_third(
         lesson11_small):
     """Lesson 11's target, met on the third design: the mean paired gain over five seeds, its
-    interval over seeds and test prompts above zero."""
+    interval over the seeds above zero."""
     rec, summary = lesson11_small
     assert rec["config"]["eval_split"] == "test" and rec["config"]["student"] == "small_student"
     gain = summary["on_policy_over_offline_longest_third"]
@@ -316,10 +316,12 @@ def test_lesson11s_1000_step_run_is_the_default_settings_pilot_with_the_lowest_o
     assert lesson11_small_1000[0]["config"]["eval_split"] == "test"
 
 
-def test_lesson11s_1000_step_run_beats_offline_in_edit_similarity_on_the_longest_third(lesson11_small_1000):
+def test_lesson11s_1000_step_run_is_positive_on_every_seed_but_its_interval_reaches_below_zero(lesson11_small_1000):
+    """One seed's gain is less than half the others': over five seeds that is no win (lesson 11 says so)."""
     gain = lesson11_small_1000[1]["on_policy_over_offline_longest_third"]
-    assert gain["mean"] > 0 and gain["ci95"][0] > 0
-    stated = f"{stats.describe_gain(gain, **SIMILARITY)}**, {positive_seeds(gain)}"
+    assert min(gain["per_seed"]) > 0 and gain["ci95"][0] < 0 < gain["ci95"][1]
+    assert min(gain["per_seed"]) < 0.5 * sorted(gain["per_seed"])[1]
+    stated = f"{stats.describe_gain(gain, **SIMILARITY)}**, {positive_seeds(gain)}, but"
     assert stated in " ".join(markdown("11_on_policy_distillation").split())
 
 

@@ -16,13 +16,17 @@ def test_a_constant_gain_has_a_zero_width_interval():
     assert out["per_seed"] == pytest.approx([0.2] * 5) and (out["seeds"], out["prompts"]) == (5, 100)
 
 
-def test_the_interval_covers_prompt_noise_like_a_standard_error():
-    """One seed, prompt-level noise only: the bootstrap's interval is the normal one, mean +- 1.96 SE."""
-    d = np.random.default_rng(0).normal(0.1, 1.0, size=(1, 4000))
-    out = stats.paired_gain(d, np.zeros_like(d))
-    se = d.std(ddof=1) / np.sqrt(d.size)
-    assert out["ci95"][0] == pytest.approx(d.mean() - 1.96 * se, abs=0.25 * se)
-    assert out["ci95"][1] == pytest.approx(d.mean() + 1.96 * se, abs=0.25 * se)
+def test_the_gain_is_each_seeds_mean_difference_and_the_interval_is_over_those():
+    """The prompts are fixed: each seed's gain is its mean over them, and the interval is
+    `seed_interval`'s over the seeds' gains, by hand."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(0.3, 1.0, size=(6, 400)), rng.normal(0.1, 1.0, size=(6, 400))
+    out = stats.paired_gain(a, b)
+    by_hand = (a - b).mean(axis=1)
+    assert out["per_seed"] == pytest.approx(list(by_hand)) and out["mean"] == pytest.approx(by_hand.mean())
+    assert out["ci95"] == pytest.approx(stats.seed_interval(by_hand)["ci95"])
+    assert (out["seeds"], out["prompts"], out["interval"]) == (6, 400, stats.INTERVAL_METHOD)
+    assert stats.mean_interval(a)["ci95"] == pytest.approx(stats.seed_interval(a.mean(axis=1))["ci95"])
 
 
 def test_the_interval_widens_with_seed_noise():
@@ -36,6 +40,12 @@ def test_the_interval_widens_with_seed_noise():
     width = lambda out: out["ci95"][1] - out["ci95"][0]  # noqa: E731
     assert width(noisy) > 5 * width(quiet)
     assert noisy["ci95"][0] < 0 < noisy["ci95"][1]  # five seeds this spread cannot exclude 0
+
+
+def test_one_seed_has_no_interval_and_says_so():
+    out = stats.paired_gain(np.full((1, 4), 0.5), np.full((1, 4), 0.25))
+    assert (out["mean"], out["ci95"], out["seeds"], out["interval"]) == (0.25, None, 1, stats.ONE_SEED)
+    assert stats.describe_gain(out) == "+25.0 points (one seed, no interval)"
 
 
 def test_pairing_removes_what_both_arms_share():
@@ -101,8 +111,11 @@ def _plain_t(gains):
     return gains.mean() - half, gains.mean() + half
 
 
-def _seed_bootstrap(gains):
-    return stats.paired_gain(gains[:, None], np.zeros((len(gains), 1)), n_bootstrap=2000)["ci95"]
+def _seed_bootstrap(gains, draws=2000):
+    """The percentile bootstrap over seeds (the seed level of the records' old interval)."""
+    rng = np.random.default_rng(1)
+    means = gains[rng.integers(0, len(gains), size=(draws, len(gains)))].mean(axis=1)
+    return np.quantile(means, [0.025, 0.975])
 
 
 @pytest.mark.parametrize("n_seeds", [5, 10])

@@ -143,8 +143,8 @@ EXPERIMENT_ROWS = [
                 "teacher's greedy answers to 4000 unlabelled prompts / distilled on them | {}% / {}% / {}% |",
      [("labels=300", "exact_match", arm, "mean") for arm in ("labels", "teacher_labels", "distilled")], 100),
     ("02", L02, "| 02 | distilled over hard labels only, 300 labels, points (5 seeds sharing one draw of the labelled "
-                "prompts; every arm 300 steps at one learning rate, not tuned for the labels-only arm; 95% interval "
-                "over seeds and test prompts) | {±}{} ({±}{} to {±}{}) |", gain_paths("labels=300", "distilled_over_labels"), 100),
+                "prompts; every arm 300 steps at one learning rate, not tuned for the labels-only arm; 95% t-interval "
+                "over seeds) | {±}{} ({±}{} to {±}{}) |", gain_paths("labels=300", "distilled_over_labels"), 100),
     ("02", L02, "| 02 | same, at 100 / 1000 labels | {±}{} / {±}{} |",
      [("labels=100", "distilled_over_labels", "mean"), ("labels=1000", "distilled_over_labels", "mean")], 100),
     ("02", L02, "| 02 | soft targets over the teacher's greedy answers as labels, 300 labels | {±}{} ({±}{} to {±}{}) |",
@@ -158,7 +158,7 @@ EXPERIMENT_ROWS = [
      [("sampled_pass_at_1", arm, "mean") for arm in ("sft", "rft", "grpo")], 100),
     ("08", L08, "| 08 | GRPO over the SFT student, sampled pass@1 at the best temperature (0.25 for every policy and "
                 "seed, the lowest on the grid), points (GRPO's reward still rising at its last step, 300; learning rates "
-                "not tuned; 95% interval over seeds and test prompts) | {±}{} ({±}{} to {±}{}) |",
+                "not tuned; 95% t-interval over seeds) | {±}{} ({±}{} to {±}{}) |",
      gain_paths("grpo_over_sft_sampled"), 100),
     ("08", L08, "| 08 | same, greedy | {±}{} ({±}{} to {±}{}) |", gain_paths("grpo_over_sft_greedy"), 100),
     ("08", L08, "| 08 | GRPO over RFT, sampled pass@1 | {±}{} ({±}{} to {±}{}) |", gain_paths("grpo_over_rft_sampled"), 100),
@@ -238,7 +238,7 @@ EXPERIMENT_ROWS = [
                  "1000 test prompts), edit similarity: offline / on-policy | {} / {} |",
      [("edit_similarity_longest_third", arm, "mean") for arm in ("offline", "on_policy")], 1),
     ("11", L11B, "| 11 | counts of 14 bits at each arm's best checkpoint, on-policy over offline, edit similarity (95% "
-                 "interval over seeds and test prompts) | {±}{} ({±}{} to {±}{}) |",
+                 "t-interval over seeds) | {±}{} ({±}{} to {±}{}) |",
      gain_paths("on_policy_over_offline_longest_third"), 1),
     ("11", L11B, "| 11 | counts of 14 bits at each arm's best checkpoint, same, exact match, points | {±}{} ({±}{} to {±}{}) |",
      gain_paths("exact_match_control"), 100),
