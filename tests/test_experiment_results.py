@@ -43,6 +43,8 @@ QUOTED_GAINS = [
     ("11_on_policy_distillation", "lesson11_gkd_count14", ("exact_match_control",), {}),
     ("11_on_policy_distillation", "lesson11_count14_pilots/steps_200", ("on_policy_over_offline_longest_third",),
      SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_count14_budgets", ("on_policy_over_offline_longest_third",), SIMILARITY),
+    ("11_on_policy_distillation", "lesson11_gkd_count14_budgets", ("exact_match_control",), {}),
 ]
 
 

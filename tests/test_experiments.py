@@ -654,3 +654,39 @@ def test_pilots_choose_each_arms_value_on_validation_and_refuse_unlike_pilots(ca
     together = pilots.choose([_pilot(1e-3, {"rft": [[1], [1]]}, rft_learning_rate=3e-3),
                               _pilot(3e-4, {"rft": [[0], [1]]}, rft_learning_rate=1e-3)], "learning_rate,rft_learning_rate")
     assert together["long"]["rft"]["chosen"] == "0.001/0.003"
+
+
+def _record_with_curves(curves_by_arm: dict) -> dict:
+    """A record whose runs keep validation curves at steps 40, 80, ... (one list per seed)."""
+    runs = {arm: [{"curve": [{"step": 40 * (i + 1), "val_edit_similarity": v} for i, v in enumerate(values)],
+                   "chosen_step": 40 * (int(np.argmax(values)) + 1)} for values in seeds]
+            for arm, seeds in curves_by_arm.items()}
+    return {"runs": {"long": runs}}
+
+
+def test_steps_to_reach_is_each_seeds_first_checkpoint_at_the_score():
+    from tunix_nb.experiments import pilots
+
+    record = _record_with_curves({"offline": [[0.5, 0.97, 1.0], [0.5, 0.5, 0.97]],
+                                  "on_policy": [[0.96, 0.97, 0.98], [0.95, 0.99, 0.99]]})
+    assert pilots.steps_to_reach(record, "offline", 0.96) == [80, 120]
+    assert pilots.steps_to_reach(record, "on_policy", 0.96) == [40, 80]
+    assert pilots.steps_to_reach(record, "on_policy", 0.999) == [None, None]
+    del record["runs"]["long"]["offline"][0]["curve"]
+    with pytest.raises(ValueError, match="--set eval_every=N"):
+        pilots.steps_to_reach(record, "offline", 0.9)
+
+
+def test_validation_curves_plot_each_arm_and_mark_the_chosen_checkpoints():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from tunix_nb.experiments import figures
+
+    record = _record_with_curves({"offline": [[0.5, 0.9, 1.0], [0.5, 0.5, 0.97]],
+                                  "on_policy": [[0.96, 0.97, 0.98], [0.95, 0.99, 0.99]]})
+    ax = figures.plot_validation_curves(record, title="t").axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["offline", "on_policy"]
+    marked = [c.get_offsets().tolist() for c in ax.collections if c.get_offsets().shape[0] == 2 and
+              c.__class__.__name__ == "PathCollection"]
+    assert marked == [[[120, 1.0], [120, 0.97]], [[120, 0.98], [80, 0.99]]]  # each seed's chosen checkpoint

@@ -105,6 +105,12 @@ ALLOWED_SMALL = {
             "results/lesson11_small_student_pilots/",
         r"^  edit similarity [-+]\d\.\d{4} \(95% interval":
             "a sub-task's five-seed gain read from the stored results/lesson11_gkd.json, not computed here",
+        r"^long (offline|on_policy): learning_rate 0\.001: ":
+            "the budget pilots' learning rates (3e-4 prints 0.0003): config values of their stored records",
+        r"^on-policy - offline, edit similarity: [-+]\d\.\d{4} \(95% interval":
+            "the ten-seed gain read from the stored results/lesson11_gkd_count14_budgets.json, not computed here",
+        r"^step +\d+: on-policy - offline, validation edit similarity [-+]\d\.\d{4} \(95% interval":
+            "the gap between the validation curves stored in results/lesson11_gkd_count14_budgets.json",
     },
 }
 

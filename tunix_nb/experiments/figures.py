@@ -75,3 +75,19 @@ def plot_by_answer_length(record: dict, *, title: str, key: str = "scores", sett
     ax.set(xlabel="answer length (symbols)", ylabel=key.replace("_", " "), title=title)
     ax.legend()
     return fig
+
+
+def plot_validation_curves(record: dict, *, title: str, key: str = "val_edit_similarity", setting: str = "long"):
+    """Each arm's validation score along its one trajectory (the runs' "curve"), over the seeds;
+    each seed's chosen checkpoint marked."""
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for arm, arm_runs in record["runs"][setting].items():
+        steps = [point["step"] for point in arm_runs[0]["curve"]]
+        values_SxX = [[point[key] for point in run["curve"]] for run in arm_runs]
+        color = ARM_COLORS.get(arm, "C3")
+        plot_seed_band(ax, steps, values_SxX, label=arm, color=color)
+        chosen = [(run["chosen_step"], values[steps.index(run["chosen_step"])]) for run, values in zip(arm_runs, values_SxX)]
+        ax.scatter(*zip(*chosen), color=color, marker="x", zorder=3)
+    ax.set(xlabel="training step", ylabel=key.replace("_", " "), title=title)
+    ax.legend()
+    return fig

@@ -61,3 +61,14 @@ def describe(choice: dict, field: str) -> str:
                                for value, s in c["by_value"].items())
             lines.append(f"{setting} {arm}: {field} {values}; chosen steps {c['chosen_steps'][c['chosen']]}")
     return "\n".join(lines)
+
+
+def steps_to_reach(record: dict, arm: str, threshold: float, *, setting: str = "long",
+                   key: str = "val_edit_similarity") -> list[int | None]:
+    """Each seed's first checkpoint whose validation score (`key` in the run's "curve") is at
+    least `threshold`; None where the run never reaches it. "Faster to a given score" is this,
+    compared arm by arm, where "better" would be the score at each arm's best checkpoint."""
+    runs = record["runs"][setting][arm]
+    if any("curve" not in run for run in runs):
+        raise ValueError(f"the {arm} runs keep no validation curve: make the record with --set eval_every=N")
+    return [next((point["step"] for point in run["curve"] if point[key] >= threshold), None) for run in runs]
