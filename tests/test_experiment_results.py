@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -534,9 +535,17 @@ def positive_seeds(gain: dict) -> str:
     return f"positive on {['no', 'one', 'two', 'three', 'four'][positive]} seeds of five"
 
 
+# a lesson -> its results page, where its design search lives (docs/lesson11_designs.md)
+RESULTS_PAGES = {"11_on_policy_distillation": ROOT / "docs" / "lesson11_designs.md"}
+PAGE_OUTPUTS = re.compile(r"```text\n.*?```|<details>.*?</details>", re.S)  # what the page printed, not its prose
+
+
 def markdown(notebook: str) -> str:
+    """The lesson's prose, and its results page's prose where it has one."""
     cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
-    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    page = RESULTS_PAGES.get(notebook)
+    return prose + ("\n" + PAGE_OUTPUTS.sub(" ", page.read_text()) if page else "")
 
 
 @pytest.mark.parametrize("notebook, name, path, style", QUOTED_GAINS,

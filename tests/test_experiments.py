@@ -690,3 +690,29 @@ def test_validation_curves_plot_each_arm_and_mark_the_chosen_checkpoints():
     marked = [c.get_offsets().tolist() for c in ax.collections if c.get_offsets().shape[0] == 2 and
               c.__class__.__name__ == "PathCollection"]
     assert marked == [[[120, 1.0], [120, 0.97]], [[120, 0.98], [80, 0.99]]]  # each seed's chosen checkpoint
+
+
+def test_a_results_page_script_runs_its_cells_in_one_namespace_and_prints_under_each(tmp_path):
+    """`page`: prose cells lose their comment marks, code cells share one namespace, and each
+    prints under its code; text before the first marker (the script's header) is left out."""
+    from tunix_nb.experiments import page
+
+    script = tmp_path / "demo.py"
+    script.write_text('"""The header."""\n\n# %% [markdown]\n# ## A title\n#\n# Some prose.\n\n'
+                      "# %%\nx = 2 + 3\n\n# %%\nprint(f'x is {x}')\n")
+    text, cells = page.render(script)
+    assert [c["cell_type"] for c in cells] == ["markdown", "code", "code"]
+    assert cells[0]["source"] == "## A title\n\nSome prose."
+    assert cells[1]["outputs"][0]["text"] == "" and cells[2]["outputs"][0]["text"] == "x is 5\n"
+    assert "The header" not in text and "## A title\n\nSome prose." in text
+    assert text.index("```text\nx is 5\n```") < text.index("print(f'x is {x}')")
+    assert str(tmp_path) not in text  # no machine's path on a page: a script outside the repository is named alone
+
+
+def test_a_results_page_prose_line_without_its_mark_says_where(tmp_path):
+    from tunix_nb.experiments import __main__ as cli, page
+
+    with pytest.raises(ValueError, match=r"demo\.py, line 3: a prose cell's lines start with '# '"):
+        page.read_cells("# %% [markdown]\n# fine\nnot a comment\n", "demo.py")
+    with pytest.raises(SystemExit):
+        cli.main(["page", str(tmp_path / "missing.py"), "--out", str(tmp_path / "missing.md")])

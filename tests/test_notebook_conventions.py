@@ -92,19 +92,6 @@ ALLOWED_SMALL = {
             "read from the stored tests/fixtures/hf/transformers_reads_kit.json, not computed here",
     },
     "11_on_policy_distillation.ipynb": {
-        r"^(lmbda [\d.]+, T [\d.]+, β [\d.]+, \d+ steps|\d+ offline steps, then \d+) +[-+]\d\.\d{4} \(95% interval":
-            "a pilot's gain read from its stored record in results/lesson11_pilots/, not computed here",
-        r"^on-policy - offline, edit similarity, (longest third|all answers): +[-+]\d\.\d{4} \(95% interval":
-            "the five-seed gain read from the stored results/lesson11_gkd.json (or its count and small-student twins), "
-            "not computed here",
-        r"^T [\d.]+, \d+ steps at learning rate [\d.]+(, β [\d.]+)?(, lmbda [\d.]+)? +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} \(95% interval":
-            "a count-family pilot's settings and gain read from its stored record in results/lesson11_count_pilots/",
-        r"^ *\d+ steps, T = [\d.]+, (forward KL|reverse KL|JSD\([\d.]+\))(, lr [\d.]+)? +\d\.\d{4}, \d\.\d{4} +[-+]\d\.\d{4} "
-        r"\(95% interval":
-            "a small-student pilot's settings and gain read from its stored record in "
-            "results/lesson11_small_student_pilots/",
-        r"^  edit similarity [-+]\d\.\d{4} \(95% interval":
-            "a sub-task's five-seed gain read from the stored results/lesson11_gkd.json, not computed here",
         r"^long (offline|on_policy): learning_rate 0\.001: ":
             "the budget pilots' learning rates (3e-4 prints 0.0003): config values of their stored records",
         r"^on-policy - offline, edit similarity: [-+]\d\.\d{4} \(95% interval":

@@ -128,10 +128,12 @@ QUOTES_RESULTS = {
     "10_lora_qlora": [("bench.json", "figures", "lora_exact_match_over_full"),
                       ("bench.json", "figures", "lora_optimizer_state_share"),
                       ("bench.json", "figures", "lora_step_time_ratio")],
-    "11_on_policy_distillation": [("lesson11_gkd.json",), ("lesson11_gkd_count.json",),
-                                  ("lesson11_gkd_small_student.json",), ("lesson11_gkd_small_student_1000_steps.json",),
-                                  ("lesson11_gkd_count14.json",)],
+    "11_on_policy_distillation": [("lesson11_gkd_count14.json",), ("lesson11_gkd_count14_budgets.json",)],
+    # results pages (docs/<name>.md, made by docs/<name>.py): the records their prose quotes
+    "lesson11_designs": [("lesson11_gkd.json",), ("lesson11_gkd_count.json",), ("lesson11_gkd_small_student.json",),
+                         ("lesson11_gkd_small_student_1000_steps.json",), ("lesson11_gkd_count14.json",)],
 }
+PAGES = sorted((ROOT / "docs").glob("*.py"))  # each a results page's script
 
 # notebook -> {a phrase of its prose, literally: why the number in it is no measurement}
 NOT_MEASURED: dict[str, dict[str, str]] = {
@@ -900,6 +902,33 @@ def test_every_comparison_agrees_with_its_figures(path):
     problems = disagreements(lesson(path))
     assert not problems, (f"notebooks/{path.name}: a comparison its own figures contradict (say what they show, "
                           "or print the figure the words rest on):\n" + "\n".join(problems))
+
+
+@cache
+def results_page(script: Path) -> tuple[str, Lesson]:
+    """(the page's markdown, the page as a lesson: its prose, and what its code cells printed)."""
+    from tunix_nb.experiments import page
+
+    text, page_cells = page.render(script)
+    return text, Lesson(script.stem, page_cells, quoted_records(script.stem))
+
+
+@pytest.mark.parametrize("script", PAGES, ids=[p.stem for p in PAGES])
+def test_a_results_page_is_what_its_script_prints_from_the_records(script):
+    text, _ = results_page(script)
+    stored = script.with_suffix(".md")
+    assert stored.exists() and stored.read_text() == text, (
+        f"docs/{stored.name} is not what docs/{script.name} prints from the records now: remake it with "
+        f"`python -m tunix_nb.experiments page docs/{script.name} --out docs/{stored.name}`")
+
+
+@pytest.mark.parametrize("script", PAGES, ids=[p.stem for p in PAGES])
+def test_a_results_pages_prose_quotes_only_figures_it_printed_or_its_records_store(script):
+    _, subject = results_page(script)
+    missing = [f"prose cell {r['cell']}: {r['figure']} in “…{r['context']}…”" for r in ledger_rows(untied(subject))]
+    assert not missing, f"docs/{script.name}'s prose quotes figures its code did not print:\n" + "\n".join(missing)
+    problems = disagreements(subject)
+    assert not problems, f"docs/{script.name}: a comparison its own figures contradict:\n" + "\n".join(problems)
 
 
 def test_not_measured_phrases_still_occur():

@@ -401,7 +401,9 @@ def test_lesson11_ex2_swap_has_the_most_errors_from_its_own_prefix_and_add_the_f
     out = lesson11.exposure_bias_by_task(n_prompts=400)
     assert set(out) == set(data.TASKS)
     assert out["add"]["bias_share"] < 0.05 < out["swap"]["bias_share"]
-    assert out["swap"]["teacher_forced_error"] > 0.2 and out["sort"]["teacher_forced_error"] < 0.05
+    assert max(out, key=lambda task: out[task]["bias_share"]) == "swap"
+    assert out["swap"]["teacher_forced_error"] > 0.2
+    assert out["sort"]["teacher_forced_error"] < 0.05 and out["reverse"]["teacher_forced_error"] < 0.05
     assert out["add"]["answer_tokens"] < out["swap"]["answer_tokens"]
 
 

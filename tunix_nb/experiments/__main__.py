@@ -16,6 +16,9 @@ summary from its runs, after a change to the statistics (`stats`), and writes it
 
 `python -m tunix_nb.experiments choose FIELD PILOT.json ...` prints, per arm, the value of FIELD
 (e.g. learning_rate) whose validation pilot scored best (`pilots.choose`).
+
+`python -m tunix_nb.experiments page SCRIPT.py --out PAGE.md` remakes a results page from the
+stored records (`page`; e.g. docs/lesson11_designs.py, lesson 11's design search).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def main(argv=None) -> int:
         return resummarise(argv[1:])
     if argv[:1] == ["choose"]:
         return choose_from_pilots(argv[1:])
+    if argv[:1] == ["page"]:
+        return write_page(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m tunix_nb.experiments", description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=[*sorted(EXPERIMENTS), "checkpoints"],
                         help="which lesson's experiment to run, or `checkpoints` to remake the long family's")
@@ -109,6 +114,26 @@ def choose_from_pilots(argv: list[str]) -> int:
         print(f"choose {field}: {err}", file=sys.stderr)
         return 2
     print(pilots.describe(choice, field))
+    return 0
+
+
+def write_page(argv: list[str]) -> int:
+    """A results page remade from its script (`page.render`)."""
+    parser = argparse.ArgumentParser(prog="python -m tunix_nb.experiments page",
+                                     description="remake a results page from the stored records")
+    parser.add_argument("script", type=Path, help="the page's script, e.g. docs/lesson11_designs.py")
+    parser.add_argument("--out", type=Path, required=True, help="the markdown page to write")
+    args = parser.parse_args(argv)
+    if not args.script.is_file():
+        parser.error(f"{args.script}: no such script; a page's script is a .py file in the percent format")
+    from tunix_nb.experiments import page
+
+    try:
+        text, _ = page.render(args.script, args.out)
+    except ValueError as err:
+        parser.error(str(err))
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -3,7 +3,7 @@
 The count family's answers run from 6 to 14 digits, and its one-layer student sometimes
 stops early. Every position after that eos is missing, a free-running error the right
 prefix does not make, so the own-prefix share charges it to the student's own prefix; yet
-on-policy training cannot teach what to do after an eos (lesson 11, "What the share
+on-policy training cannot teach what to do after an eos (docs/lesson11_designs.md, "What the share
 counts"). Here every answer has 14 digits and the stop is never in doubt: what is left to
 compound is a slip carried on.
 
