@@ -716,3 +716,22 @@ def test_a_results_page_prose_line_without_its_mark_says_where(tmp_path):
         page.read_cells("# %% [markdown]\n# fine\nnot a comment\n", "demo.py")
     with pytest.raises(SystemExit):
         cli.main(["page", str(tmp_path / "missing.py"), "--out", str(tmp_path / "missing.md")])
+
+
+def test_lesson08s_pilots_score_the_validation_prompts_never_the_test_ones():
+    """eval_split=validation (what `pilots.choose` asks of a pilot): every score of the run is on
+    the validation prompts; the test prompts are never read."""
+    from tunix_nb.experiments import grpo_pass_at_k
+
+    with pytest.raises(ValueError, match="eval_split is 'test' .* or 'validation'"):
+        grpo_pass_at_k.GrpoPassAtKConfig(eval_split="train")
+    config = grpo_pass_at_k.GrpoPassAtKConfig(steps=2, temperatures=(0.0, 1.0), pass_at_1_samples=2,
+                                              pass_at_k_samples=2, ks=(1, 2), eval_split="validation")
+    from tunix_nb.experiments import long_family
+
+    # prepare()'s splits and student, without its gate (a pass over the student's answers)
+    shared = {"validation": long_family.splits(n_fresh=32)["validation"][:6], "student": long_family.load("student"),
+              "test": None}  # a run that reached for the test prompts would fail here
+    run = grpo_pass_at_k.run_arm("sft", 0, config, shared)
+    assert run["tasks"] == [e["task"] for e in shared["validation"]]
+    assert len(run["scores"]) == len(run["greedy"]) == 6 and set(run["validation_pass_at_1"]) == {"0.0", "1.0"}

@@ -43,8 +43,11 @@ class GrpoPassAtKConfig:
     # along the one trajectory, the validation split's sampled pass@1 at temperature 1 (GRPO's
     # reward) is measured (the run's "curve"), and the policy is scored at its best checkpoint
     eval_every: int = 0
+    eval_split: str = "test"  # "validation" for pilots: settings are chosen there, never on the test prompts
 
     def __post_init__(self):
+        if self.eval_split not in ("test", "validation"):
+            raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError(f"temperatures {self.temperatures}: give one or more, each >= 0 (0 is greedy).")
         if self.eval_every < 0 or (self.eval_every and self.steps % self.eval_every):
@@ -147,10 +150,11 @@ def best_checkpoint(arm: str, seed: int, config: GrpoPassAtKConfig, shared: dict
 
 
 def evaluate_policy(graphdef, params, seed: int, config: GrpoPassAtKConfig, shared: dict) -> dict:
-    """Greedy and sampled scores on the test split, at the temperature validation picks."""
+    """Greedy and sampled scores on the test split (a pilot's: on validation), at the
+    temperature validation picks."""
     from tunix_nb.experiments import long_family, stats
 
-    val, test = shared["validation"], shared["test"]
+    val, test = shared["validation"], shared[config.eval_split]
     n = config.pass_at_1_samples
     val_pass_at_1 = {t: float(correct_at(graphdef, params, val, n=n, temperature=t, seed=10 * seed + 1).mean())
                      for t in config.temperatures}
