@@ -596,15 +596,17 @@ def test_there_are_lesson11_pilots():
     assert len(PILOTS) >= 8
 
 
-@pytest.mark.parametrize("folder, pattern", [("lesson02_pilots", "labels_300_lr_*.json"),
-                                             ("lesson11_budget_pilots", "count14_lr_*.json")])
-def test_the_rerun_pilots_readme_quotes_what_choose_gives(folder, pattern):
+@pytest.mark.parametrize("folder, pattern, field", [("lesson02_pilots", "labels_300_lr_*.json", "learning_rate"),
+                                                    ("lesson11_budget_pilots", "count14_lr_*.json", "learning_rate"),
+                                                    ("lesson08_pilots", "lr_*.json", "learning_rate,rft_learning_rate")])
+def test_the_rerun_pilots_readme_quotes_what_choose_gives(folder, pattern, field):
     """Each table row of the pilots' README: the arm's mean validation score at each rate, to 4
     places, and the chosen rate starred, as `pilots.choose` computes them from the records."""
     from tunix_nb.experiments import pilots
 
     records = [json.loads(p.read_text()) for p in sorted((RESULTS / folder).glob(pattern))]
-    choice = pilots.choose(records, "learning_rate")
+    assert len(records) >= 3, f"results/{folder}/{pattern}: a grid of at least three rates"
+    choice = pilots.choose(records, field)
     readme = (RESULTS / folder / "README.md").read_text()
     for arms in choice.values():
         for arm, c in arms.items():
@@ -659,3 +661,27 @@ def test_lesson08_rft_beats_grpo_in_sampled_pass_at_1(lesson08):
     """Lesson 08: rejection-sampling fine-tuning does better than GRPO, an interval over five seeds below zero."""
     gain = lesson08[1]["grpo_over_rft_sampled"]
     assert gain["seeds"] == 5 and gain["ci95"][1] < 0
+
+
+LESSON08_PILOTS = sorted((RESULTS / "lesson08_pilots").glob("lr_*.json"))
+
+
+def test_lesson08s_pilots_are_what_their_readme_says():
+    """results/lesson08_pilots/README.md's readings: scored on validation with their command; 17 of
+    the 18 trained runs peak at the end of 600 steps (the budget is the limit); every policy's best
+    temperature is 0, 0.05 or 0.1, and those three lie within 0.01 of each other."""
+    readme = " ".join((RESULTS / "lesson08_pilots" / "README.md").read_text().split())
+    trained, at_the_end = 0, 0
+    for path in LESSON08_PILOTS:
+        record = json.loads(path.read_text())
+        assert record["config"]["eval_split"] == "validation" and f"--out results/lesson08_pilots/{path.name}" in record["command"]
+        for arm, runs in record["runs"]["long"].items():
+            for run in runs:
+                low = [run["validation_pass_at_1"][t] for t in ("0.0", "0.05", "0.1")]
+                assert run["best_temperature"] in (0.0, 0.05, 0.1) and max(low) - min(low) < 0.01, (path.name, arm)
+                if arm != "sft":
+                    curve = [point["val_pass_at_1_t1"] for point in run["curve"]]
+                    trained += 1
+                    at_the_end += run["chosen_step"] == 600 and curve[-1] > curve[-2]
+    assert (trained, at_the_end) == (18, 17)
+    assert "Of the 18 GRPO and RFT runs (3 rates, 3 seeds), 17 score best on validation at step 600" in readme
