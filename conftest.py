@@ -93,6 +93,22 @@ def pytest_configure(config):
                                        "backend); skipped when the tests run on an accelerator")
     config.addinivalue_line("markers", "needs_devices(n): compares n devices with one, or splits work over n; "
                                        "skipped on an accelerator with fewer (one TPU chip, one GPU)")
+    config.addinivalue_line("markers", "needs_network: installs packages from an index over the network; "
+                                       "skipped where no internet socket can be made (the TPU test machine)")
+    config.addinivalue_line("markers", "needs_loopback: processes meet through a coordinator on 127.0.0.1; "
+                                       "skipped where no loopback socket can listen (as lesson 06 skips)")
+    config.addinivalue_line("markers", "needs_git: reads the repository's history; skipped in a copy of the "
+                                       "tree without .git (the TPU test machine gets one)")
+
+
+def _can_make_internet_socket() -> bool:
+    import socket
+
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
 
 
 def pytest_runtest_setup(item):
@@ -105,3 +121,12 @@ def pytest_runtest_setup(item):
 
         if jax.device_count() < marker.args[0]:
             pytest.skip(f"needs {marker.args[0]} devices; this machine has {jax.device_count()}")
+    if item.get_closest_marker("needs_network") is not None and not _can_make_internet_socket():
+        pytest.skip("needs a package index over the network: this machine refuses internet sockets")
+    if item.get_closest_marker("needs_loopback") is not None:
+        from tunix_nb import launch
+
+        if not launch.can_listen_on_loopback("This test"):
+            pytest.skip("needs a TCP socket on loopback for the processes' coordinator")
+    if item.get_closest_marker("needs_git") is not None and not (Path(__file__).parent / ".git").exists():
+        pytest.skip("needs the repository's history: this copy of the tree has no .git")

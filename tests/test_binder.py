@@ -32,6 +32,8 @@ import time
 import venv
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PIP_TIMEOUT_S = 600
 RUN_TIMEOUT_S = 120
@@ -89,6 +91,7 @@ def test_binder_files_follow_repo2docker_conventions():
     assert lines[-1] == 'exec "$@"', "binder/start must end with exec \"$@\" (repo2docker's entrypoint contract)"
 
 
+@pytest.mark.needs_network
 def test_binder_start_gives_eight_devices_in_a_fresh_venv(tmp_path):
     repo, venv_dir = tmp_path / "repo", tmp_path / "venv"
     _copy_repo(repo)

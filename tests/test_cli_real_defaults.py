@@ -141,6 +141,7 @@ def test_dtype_auto_keeps_a_lora_base_in_bfloat16_on_an_accelerator(on_a_tpu, ca
     assert cli.config_from_argv(["sft", "--model", "tiny", "--lora-rank", "4"]).source.dtype == "float32"
 
 
+@pytest.mark.cpu_only(reason="\"auto\" is bfloat16 on an accelerator")
 def test_dtype_auto_on_the_cpu_is_float32():
     assert cli.config_from_argv(["sft", "--model", str(QWEN3), "--lora-rank", "4"]).source.dtype == "float32"
 

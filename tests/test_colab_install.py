@@ -74,6 +74,12 @@ def test_colab_module_needs_only_the_standard_library():
     assert out.stdout.strip() == "[]"
 
 
+# The setup cell's runs fake a hosted runtime on a machine whose JAX ends on the CPU (the
+# stored lesson 00 output, Colab's CPU, a TPU hint with no chip behind it). Where the tests
+# run on a chip, the test process holds it and the cell's JAX would find it.
+HOSTED_ON_A_CPU = "fakes a hosted runtime whose JAX ends on the CPU; on a chip the test process holds the TPU"
+
+
 def run_setup_cell(tmp_path, *, on_colab=True, relocate=None, git=None, **env) -> subprocess.CompletedProcess:
     """The setup cell, run by IPython in a fresh process that looks like a hosted runtime.
 
@@ -124,6 +130,7 @@ def recorded_calls(out: subprocess.CompletedProcess) -> list:
     return json.loads(line[len("CALLS "):])
 
 
+@pytest.mark.cpu_only(reason=HOSTED_ON_A_CPU)
 def test_setup_cell_off_hosted_runtimes_prints_what_the_lessons_stored(tmp_path):
     """Neither Colab nor Kaggle (a laptop, CI): no clone, no install, and exactly the output
     the stored lessons show."""
@@ -137,6 +144,7 @@ def test_setup_cell_off_hosted_runtimes_prints_what_the_lessons_stored(tmp_path)
     assert printed == stored
 
 
+@pytest.mark.cpu_only(reason=HOSTED_ON_A_CPU)
 def test_setup_cell_on_colab_cpu_installs_lessons_and_simulates(tmp_path):
     out = run_setup_cell(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -146,6 +154,7 @@ def test_setup_cell_on_colab_cpu_installs_lessons_and_simulates(tmp_path):
     assert "JAX is running on CPU" not in out.stderr
 
 
+@pytest.mark.cpu_only(reason=HOSTED_ON_A_CPU)
 def test_setup_cell_on_colab_tpu_installs_jax_tpu_and_warns_when_it_is_not_used(tmp_path):
     """Here there is no TPU behind the fake hint, so JAX ends on CPU: the case after Colab
     replaced JAX without a restart. The cell must say so and name the fix."""
@@ -168,6 +177,7 @@ def kaggle_working(tmp_path) -> Path:
     return working / Path(colab.KAGGLE_CLONE).name
 
 
+@pytest.mark.cpu_only(reason=HOSTED_ON_A_CPU)
 def test_setup_cell_on_kaggle_tpu_clones_into_kaggle_working_and_installs_jax_tpu(tmp_path):
     """Kaggle's TPU v5e-8: no google.colab, Kaggle's variables, and its TPU image's ISTPUVM=1.
     The clone runs (a fake git, as if GitHub answered, links the target to this checkout);
@@ -203,6 +213,7 @@ def test_setup_cell_on_kaggle_without_internet_says_to_switch_it_on(tmp_path):
     assert "switch on Internet in the notebook's settings panel" in colab.NO_INTERNET
 
 
+@pytest.mark.needs_network
 def test_lessons_install_into_a_fresh_venv_from_another_directory(tmp_path):
     """The real install: exactly the setup cell's pip arguments on a CPU runtime, run from
     a working directory that is not the clone, into an empty virtual environment."""

@@ -128,6 +128,7 @@ AGREEMENT_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.needs_loopback
 def test_processes_signalled_at_different_steps_agree_on_the_first(tmp_path):
     """Process 0 gets SIGTERM at round 16, process 1 SIGINT at round 13: both stop at 13, for SIGINT.
     Both at round 40: both stop there, for process 0's signal."""
@@ -148,6 +149,7 @@ def test_processes_signalled_at_different_steps_agree_on_the_first(tmp_path):
         assert "agreed 13 SIGINT" in out and "agreed 40 SIGTERM" in out, out[-2000:]
 
 
+@pytest.mark.needs_loopback
 def test_launcher_stops_the_others_when_a_process_dies(tmp_path):
     """SIGKILL one process mid-run: the launcher kills the other and names the dead one.
 
@@ -252,6 +254,7 @@ HEARTBEAT_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.needs_loopback
 def test_without_launcher_a_lost_process_stops_the_others_by_heartbeat(tmp_path):
     """On a cluster there is no launcher: JAX's heartbeat ends the survivors with an error."""
     script = tmp_path / "worker.py"

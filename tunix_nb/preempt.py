@@ -97,6 +97,15 @@ def run_and_kill(argv, *, ckpt_dir, metrics_file, when: str, after_step: int = 1
         stderr.close()
 
 
+def run_beside(argv, *, env=None, cwd=None, timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """Run `python -m tunix_nb.train *argv` to the end in a child process where `run_and_kill`
+    runs its killed one (`env` defaults to `devices.child_env()`: the CPU). A run compared with
+    a killed one bit for bit must compute where it did, also where this process holds a chip."""
+    return subprocess.run([sys.executable, "-m", "tunix_nb.train", *map(str, argv)], cwd=cwd,
+                          env=devices.child_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
 def run_and_signal(argv, *, metrics_file, signum: int = signal.SIGTERM, after_step: int = 1,
                    timeout: float = 120.0, env=None, cwd=None) -> dict:
     """Run `python -m tunix_nb.train *argv` and send it `signum` (SIGTERM: a preemption notice;

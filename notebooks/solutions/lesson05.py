@@ -9,8 +9,6 @@ these functions answer the exercises with shorter runs of the same tools
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunix_nb import checkpoint, compare, data, devices, model, preempt, train
+from tunix_nb import checkpoint, compare, data, model, preempt, train
 from solutions import lesson03
 from tunix_nb.tokenizer import ByteTokenizer
 
@@ -32,11 +30,10 @@ def _steps_on_disk(run: Path) -> list[str]:
 
 
 def _cli_beside_the_killed_run(argv) -> str:
-    """Run `python -m tunix_nb.train *argv` in a child process, where the killed run ran (on the
-    CPU: `devices.child_env()`, run_and_kill's default), so that its losses can equal the killed
-    run's bit for bit also where this process holds a chip; returns its stdout."""
-    done = subprocess.run([sys.executable, "-m", "tunix_nb.train", *map(str, argv)], env=devices.child_env(),
-                          capture_output=True, text=True, check=False)
+    """Run `python -m tunix_nb.train *argv` in a child process, where the killed run ran
+    (`preempt.run_beside`), so that its losses can equal the killed run's bit for bit also where
+    this process holds a chip; returns its stdout."""
+    done = preempt.run_beside(argv)
     if done.returncode:
         raise RuntimeError(f"the CLI exited with {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
     return done.stdout
