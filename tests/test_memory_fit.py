@@ -141,3 +141,23 @@ def test_a_devices_memory_is_what_its_runtime_reports():
     assert fit.device_memory_bytes(_Device(None)) is None
     assert fit.device_memory_bytes(_Device({"bytes_in_use": 0})) is None
     assert jax.default_backend() != "cpu" or fit.device_memory_bytes() is None  # the CPU reports no limit
+
+
+class _Compiled:
+    """A compiled program's memory analysis as a backend reports it."""
+
+    def __init__(self, **sizes):
+        fields = {"argument_size_in_bytes": 100, "output_size_in_bytes": 40, "alias_size_in_bytes": 0, **sizes}
+        self._analysis = type("Analysis", (), fields)()
+
+    def memory_analysis(self):
+        return self._analysis
+
+
+def test_temporaries_are_the_cpus_field_or_what_the_tpus_peak_holds_beyond_arguments_and_outputs():
+    assert analysis.temporary_bytes(_Compiled(temp_size_in_bytes=500, peak_memory_in_bytes=140)) == 500  # a CPU
+    # a TPU: temp 0, the peak holds the arguments, the outputs (less what aliases them) and the temporaries
+    assert analysis.temporary_bytes(_Compiled(temp_size_in_bytes=0, peak_memory_in_bytes=640)) == 500
+    assert analysis.temporary_bytes(_Compiled(temp_size_in_bytes=0, peak_memory_in_bytes=640,
+                                              alias_size_in_bytes=40)) == 540
+    assert analysis.temporary_bytes(_Compiled(temp_size_in_bytes=0, peak_memory_in_bytes=0)) == 0

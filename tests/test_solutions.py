@@ -440,6 +440,10 @@ def test_lesson12_ex2_the_smallest_max_length_is_the_longest_answer_with_its_hea
 def test_lesson12_ex3_temporaries_grow_with_the_chunk_and_the_loss_stays():
     out = lesson12.temporaries_by_chunk(vocab_size=8192, chunks=(512, 2048), batch=4, length=64)
     temp, loss = out["temp_bytes"], out["loss"]
-    assert temp[512] < temp[2048] < temp[None]
+    assert temp[512] <= temp[2048] < temp[None]
+    if jax.default_backend() == "cpu":
+        # On a TPU v5e both chunks gave the same peak (8.5 MB beyond arguments and outputs, against
+        # 20.6 MB unchunked): below 2048 entries something other than the logits' chunk sets it.
+        assert temp[512] < temp[2048]
     assert 4 * 64 * 8192 * 4 <= temp[None]  # the unchunked step holds at least the float32 logits
     np.testing.assert_allclose([loss[512], loss[2048]], loss[None], rtol=1e-5)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_nb import data, hf, sft, user_data
+from tunix_nb.memory_plan import analysis
 from tunix_nb.tokenizer import HFTokenizer
 
 FIXTURE = data.DATA_DIR.parent / "tests" / "fixtures" / "hf" / "qwen3"
@@ -98,7 +99,7 @@ def temporaries_by_chunk(vocab_size: int = 32768, chunks=(1024, 4096, 16384), ba
     for chunk in (*chunks, None):
         objective = sft.objective(graphdef, compute_dtype=jnp.float32, vocab_chunk=chunk)
         grad = jax.jit(jax.grad(lambda p, b: objective(p, b)[0]))
-        temp[chunk] = grad.lower(abstract, rows).compile().memory_analysis().temp_size_in_bytes
+        temp[chunk] = analysis.temporary_bytes(grad.lower(abstract, rows).compile())
         nll, count, _ = jax.jit(objective)(params, rows)
         loss[chunk] = float(nll / count)
     return {"temp_bytes": temp, "loss": loss}

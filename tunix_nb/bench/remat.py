@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tunix_nb import devices
+from tunix_nb.memory_plan import analysis
 from tunix_nb.bench.common import figure, interleaved_times, medians, spread_of_ratio, timed_figure
 from tunix_nb.bench.mfu import mfu_setup
 
@@ -39,7 +40,7 @@ def remat_programs(batch: int, seq_len: int) -> dict:
 def temp_bytes(programs: dict) -> dict:
     """XLA's temporary buffer size of each compiled program: activations, gradients and
     scratch, the part of the step's peak memory that rematerialisation can shrink."""
-    return {name: int(compiled.memory_analysis().temp_size_in_bytes) for name, (compiled, _) in programs.items()}
+    return {name: analysis.temporary_bytes(compiled) for name, (compiled, _) in programs.items()}
 
 
 def bench_remat(repeats, quick=False):

@@ -127,6 +127,22 @@ def memory_of(compiled) -> dict:
     return out
 
 
+def temporary_bytes(compiled) -> int:
+    """The bytes a compiled program holds beyond its arguments and outputs at its peak.
+
+    A CPU reports them as `temp_size_in_bytes`. The TPU compiler reports 0 there and folds them
+    into its own `peak_memory_in_bytes` (lesson 12's loss gradients on a v5e: temp 0, peak 11.1 MB
+    over 2.6 MB of arguments and outputs), so there they are the peak less the arguments and outputs
+    that are not aliased."""
+    analysis = compiled.memory_analysis()
+    temp = int(analysis.temp_size_in_bytes)
+    peak = int(getattr(analysis, "peak_memory_in_bytes", 0) or 0)
+    if temp or not peak:
+        return temp
+    held = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    return max(0, peak - int(held))
+
+
 def materialised_shapes(hlo_text: str) -> list[str]:
     """The result shapes of the compiled program's instructions outside fusions: what the
     program holds in memory (a fused computation's instructions live in registers and
