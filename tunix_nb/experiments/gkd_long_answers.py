@@ -69,8 +69,9 @@ class GkdLongConfig:
         if self.student != "student" and (self.family, self.student) != ("count", "small_student"):
             raise ValueError(f"student is 'student', or 'small_student' with family=count; "
                              f"got {self.student!r} with family={self.family!r}.")
-        if self.eval_split not in ("test", "validation"):
-            raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
+        from tunix_nb.experiments import pilots
+
+        pilots.check_eval_split(self.eval_split)
         if self.eval_every < 0 or (self.eval_every and self.steps % self.eval_every):
             raise ValueError(f"eval_every={self.eval_every} must divide steps={self.steps} (or be 0: score the "
                              "last step only).")

@@ -46,8 +46,9 @@ class GrpoPassAtKConfig:
     eval_split: str = "test"  # "validation" for pilots: settings are chosen there, never on the test prompts
 
     def __post_init__(self):
-        if self.eval_split not in ("test", "validation"):
-            raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
+        from tunix_nb.experiments import pilots
+
+        pilots.check_eval_split(self.eval_split)
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError(f"temperatures {self.temperatures}: give one or more, each >= 0 (0 is greedy).")
         if self.eval_every < 0 or (self.eval_every and self.steps % self.eval_every):

@@ -14,6 +14,15 @@ import numpy as np
 from tunix_nb.experiments import runner, stats
 
 
+EVAL_SPLITS = ("test", "validation")
+
+
+def check_eval_split(eval_split: str) -> None:
+    """An experiment's `eval_split`: "test" for the reported run, "validation" for its pilots."""
+    if eval_split not in EVAL_SPLITS:
+        raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {eval_split!r}.")
+
+
 def _value(config: dict, fields: list[str]):
     return config[fields[0]] if len(fields) == 1 else "/".join(str(config[f]) for f in fields)
 

@@ -56,8 +56,9 @@ class ScarceLabelsConfig:
     eval_split: str = "test"  # "validation" for pilots: settings are chosen there, never on the test prompts
 
     def __post_init__(self):
-        if self.eval_split not in ("test", "validation"):
-            raise ValueError(f"eval_split is 'test' (the reported run) or 'validation' (pilots); got {self.eval_split!r}.")
+        from tunix_nb.experiments import pilots
+
+        pilots.check_eval_split(self.eval_split)
         if self.labelled_pool and self.labelled_pool < max(self.label_counts):
             raise ValueError(f"labelled_pool={self.labelled_pool} holds fewer prompts than the largest label count "
                              f"{max(self.label_counts)}; make it at least that, or 0 for the first n of a fixed pool.")
