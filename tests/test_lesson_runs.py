@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tunix_nb.lessons import hashes, records, runner
+from tunix_nb.lessons import hashes, records, runner, time_gap
 from tunix_nb.lessons.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,3 +240,27 @@ def test_parts_made_from_one_commit_merge_into_one_record(tmp_path):
         records.merge([json.loads(parts[1].read_text()), other])
     with pytest.raises(ValueError, match=r"a lesson appears in two records: \['02_c'\]"):
         records.merge([json.loads(parts[0].read_text())] * 2)
+
+
+def test_the_time_gap_table_is_the_records():
+    readme = (RECORDS / "README.md").read_text()
+    chip, cpu = stored(records.ORDER[0]), stored(records.ORDER[1])
+    assert time_gap.readme_part(readme) == time_gap.render(chip, cpu, ("chip", "CPU")), \
+        "results/lesson_runs/README.md's time table is stale: run `python -m tunix_nb.lessons gap --readme " \
+        "results/lesson_runs/README.md`"
+
+
+def test_the_time_gap_counts_compiling_and_waiting_on_children_in_profiled_cells():
+    def lesson(seconds, cells, slowest):
+        return {"lesson": "00_a", "cells_seconds": seconds, "cells": cells, "slowest_cells": slowest}
+
+    wait = {"function": "~:0(<method 'poll' of 'select.poll' objects>)", "own_seconds": 4.0}
+    other = {"function": "x.py:1(f)", "own_seconds": 9.0}
+    chip = {"lessons": [lesson(12.0, [{"index": 0, "compiles": 3}, {"index": 1, "compiles": 2}],
+                               [{"index": 0, "trace_seconds": 1.0, "lower_seconds": 0.5, "compile_seconds": 2.0,
+                                 "profile_own_time": [wait, other]}])]}
+    cpu = {"lessons": [lesson(7.0, [{"index": 0, "compiles": 4}], [])]}
+    [row] = time_gap.rows(chip, cpu)
+    assert row["seconds"] == (12.0, 7.0) and row["compiles"] == (5, 4)
+    assert row["compiling"] == (3.5, 0.0) and row["child_wait"] == (4.0, 0.0)
+    assert "| 00 | 12.0 / 7.0 | +5.0 | 5 / 4 | 3.5 / 0.0 | 4.0 / 0.0 |" in time_gap.render(chip, cpu, ("a", "b"))

@@ -1,6 +1,7 @@
 """`python -m tunix_nb.lessons run [NN ...] --out FILE`: run the lessons headless and record them.
 `python -m tunix_nb.lessons table [--readme README.md]`: the README's "Runs on" table from the records.
 `python -m tunix_nb.lessons merge PART.json ... --out FILE`: one record from parts run from one commit.
+`python -m tunix_nb.lessons gap [--readme results/lesson_runs/README.md]`: where the chip's time goes.
 
 Examples:
   python -m tunix_nb.lessons run --out results/lesson_runs/cpu_2core.json        # all 13 lessons
@@ -17,7 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from tunix_nb.lessons import records, runner
+from tunix_nb.lessons import records, runner, time_gap
+
+CHIP, CPU = records.ORDER  # the TPU v5e chip's record, the 2-core CPU's
 
 
 def parse_args(argv):
@@ -45,6 +48,9 @@ def parse_args(argv):
     table = commands.add_parser("table", help="print the README's table of the records, or write it there")
     table.add_argument("--records", type=Path, default=None, help="default: results/lesson_runs/")
     table.add_argument("--readme", type=Path, default=None, help="rewrite this README's table instead of printing")
+    gap = commands.add_parser("gap", help="the chip's record against the CPU's: seconds, compiles, compiling "
+                                          "and waiting on children, lesson by lesson")
+    gap.add_argument("--readme", type=Path, default=None, help="rewrite this file's table instead of printing")
     merge = commands.add_parser("merge", help="one record from runs of other lessons made from one commit")
     merge.add_argument("parts", nargs="+", type=Path, help="the records to merge")
     merge.add_argument("--out", required=True, type=Path, help="the merged record to write")
@@ -62,6 +68,8 @@ def main(argv=None) -> int:
             changed = records.write_readme_table(args.readme, rendered)
             print(f"{args.readme}: {'table updated' if changed else 'table already current'}")
         return 0
+    if args.command == "gap":
+        return _time_gap(args.readme)
     if args.command == "merge":
         record = records.merge([json.loads(part.read_text()) for part in args.parts])
         args.out.write_text(json.dumps(record, indent=1) + "\n")
@@ -77,6 +85,17 @@ def main(argv=None) -> int:
     done = sum(lesson["completed"] for lesson in record["lessons"])
     print(f"{done} of {len(record['lessons'])} lessons ran to the end on {record['runtime']}; wrote {out}")
     return 0 if done == len(record["lessons"]) else 1
+
+
+def _time_gap(readme: Path | None) -> int:
+    stored = records.load_records()
+    table = time_gap.render(stored[CHIP], stored[CPU], ("chip", "CPU"))
+    if readme is None:
+        print(table, end="")
+    else:
+        changed = time_gap.write_readme_part(readme, table)
+        print(f"{readme}: {'table updated' if changed else 'table already current'}")
+    return 0
 
 
 if __name__ == "__main__":
