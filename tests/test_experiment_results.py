@@ -667,9 +667,9 @@ LESSON08_PILOTS = sorted((RESULTS / "lesson08_pilots").glob("lr_*.json"))
 
 
 def test_lesson08s_pilots_are_what_their_readme_says():
-    """results/lesson08_pilots/README.md's readings: scored on validation with their command; 23 of
-    the 24 trained runs peak at the end of 600 steps (the budget is the limit); every policy's best
-    temperature is 0, 0.05 or 0.1, and those three lie within 0.01 of each other."""
+    """results/lesson08_pilots/README.md's readings: scored on validation with their command; 29 of
+    the 30 trained runs peak at the end of 600 steps (the budget is the limit); every policy's best
+    temperature but a collapsed one's is 0, 0.05 or 0.1, and those three lie within 0.01 of each other."""
     readme = " ".join((RESULTS / "lesson08_pilots" / "README.md").read_text().split())
     trained, at_the_end = 0, 0
     for path in LESSON08_PILOTS:
@@ -678,10 +678,12 @@ def test_lesson08s_pilots_are_what_their_readme_says():
         for arm, runs in record["runs"]["long"].items():
             for run in runs:
                 low = [run["validation_pass_at_1"][t] for t in ("0.0", "0.05", "0.1")]
-                assert run["best_temperature"] in (0.0, 0.05, 0.1) and max(low) - min(low) < 0.01, (path.name, arm)
+                assert max(low) - min(low) < 0.01, (path.name, arm)
+                collapsed = max(run["validation_pass_at_1"].values()) < 0.05  # GRPO at 1e-2
+                assert run["best_temperature"] in (0.0, 0.05, 0.1) or collapsed, (path.name, arm)
                 if arm != "sft":
                     curve = [point["val_pass_at_1_t1"] for point in run["curve"]]
                     trained += 1
                     at_the_end += run["chosen_step"] == 600 and curve[-1] > curve[-2]
-    assert (trained, at_the_end) == (24, 23)
-    assert "Of the 24 GRPO and RFT runs (4 rates, 3 seeds), 23 score best on validation at step 600" in readme
+    assert (trained, at_the_end) == (30, 29)
+    assert "Of the 30 GRPO and RFT runs (5 rates, 3 seeds), 29 score best on validation at step 600" in readme
