@@ -15,7 +15,6 @@ from tunix_nb.lessons import hashes
 RECORDS_DIR = Path("results") / "lesson_runs"  # relative to the repository root
 # The chip's record first, then the CPU's, then any other, by name.
 ORDER = ("tpu_v5e_1.json", "cpu_2core.json")
-README_PART = re.compile(r"(<!-- begin lesson runs[^\n]*-->\n)(.*?)(<!-- end lesson runs -->)", re.S)
 NO_RECORDS = "No run is recorded in `results/lesson_runs/` yet.\n"
 
 # key -> the types its value may have (None: not known, e.g. the backend of a lesson stopped before JAX started)
@@ -111,18 +110,32 @@ def render_table(records: dict[str, dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def readme_table(readme_text: str) -> str:
-    """What stands between the README's markers."""
-    found = README_PART.search(readme_text)
+def marked_part(text: str, name: str) -> str:
+    """What stands between `<!-- begin NAME ... -->` and `<!-- end NAME -->` in `text`."""
+    found = _marked(name).search(text)
     if not found:
-        raise ValueError("the README has no '<!-- begin lesson runs -->' ... '<!-- end lesson runs -->' part")
+        raise ValueError(f"no '<!-- begin {name} -->' ... '<!-- end {name} -->' part")
     return found.group(2)
+
+
+def write_marked_part(path: Path, name: str, table: str) -> bool:
+    """Put `table` between the file's NAME markers; True if that changed the file."""
+    text = path.read_text()
+    marked_part(text, name)  # the markers must be there
+    new = _marked(name).sub(lambda m: m.group(1) + table + m.group(3), text)
+    path.write_text(new)
+    return new != text
+
+
+def _marked(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- begin {re.escape(name)}[^\n]*-->\n)(.*?)(<!-- end {re.escape(name)} -->)", re.S)
+
+
+def readme_table(readme_text: str) -> str:
+    """What stands between the README's "lesson runs" markers."""
+    return marked_part(readme_text, "lesson runs")
 
 
 def write_readme_table(readme: Path, table: str) -> bool:
     """Put `table` between the README's markers; True if that changed the file."""
-    text = readme.read_text()
-    readme_table(text)  # the markers must be there
-    new = README_PART.sub(lambda m: m.group(1) + table + m.group(3), text)
-    readme.write_text(new)
-    return new != text
+    return write_marked_part(readme, "lesson runs", table)

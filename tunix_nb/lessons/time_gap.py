@@ -10,10 +10,11 @@ results/lesson_runs/README.md between its markers; tests/test_lesson_runs.py kee
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-README_PART = re.compile(r"(<!-- begin time gap[^\n]*-->\n)(.*?)(<!-- end time gap -->)", re.S)
+from tunix_nb.lessons import records
+
+MARKER = "time gap"  # results/lesson_runs/README.md's <!-- begin time gap ... --> ... <!-- end time gap -->
 # Python's own functions in which a parent waits on its children: subprocess.run's
 # communicate polls the pipes, Popen.wait blocks in waitpid.
 CHILD_WAITS = ("'poll' of 'select.poll'", "'poll' of 'select.epoll'", "posix.waitpid")
@@ -65,16 +66,9 @@ def render(first: dict, second: dict, names: tuple[str, str]) -> str:
 
 
 def readme_part(text: str) -> str:
-    found = README_PART.search(text)
-    if not found:
-        raise ValueError("no '<!-- begin time gap -->' ... '<!-- end time gap -->' part")
-    return found.group(2)
+    return records.marked_part(text, MARKER)
 
 
 def write_readme_part(readme: Path, table: str) -> bool:
     """Put `table` between the markers; True if that changed the file."""
-    text = readme.read_text()
-    readme_part(text)
-    new = README_PART.sub(lambda m: m.group(1) + table + m.group(3), text)
-    readme.write_text(new)
-    return new != text
+    return records.write_marked_part(readme, MARKER, table)
