@@ -264,3 +264,16 @@ def test_the_time_gap_counts_compiling_and_waiting_on_children_in_profiled_cells
     assert row["seconds"] == (12.0, 7.0) and row["compiles"] == (5, 4)
     assert row["compiling"] == (3.5, 0.0) and row["child_wait"] == (4.0, 0.0)
     assert "| 00 | 12.0 / 7.0 | +5.0 | 5 / 4 | 3.5 / 0.0 | 4.0 / 0.0 |" in time_gap.render(chip, cpu, ("a", "b"))
+
+
+def test_the_child_cost_figures_are_the_two_machines_measurements():
+    readme = " ".join((RECORDS / "README.md").read_text().split())
+    chip, cpu = (json.loads((RECORDS / "child_cost" / f"{name}.json").read_text()) for name in ("tpu_machine", "cpu_2core"))
+    assert f"`import jax` takes {chip['import_jax_seconds']:.2f} s on the TPU machine against " \
+           f"{cpu['import_jax_seconds']:.2f} s" in readme
+    assert f"20 steps of the command {chip['command_20_steps_seconds']:.2f} s against " \
+           f"{cpu['command_20_steps_seconds']:.2f} s" in readme
+    ratio = chip["command_20_steps_seconds"] / cpu["command_20_steps_seconds"]
+    waits = [time_gap.child_wait_seconds(next(x for x in stored(name)["lessons"] if x["lesson"].startswith("05")))
+             for name in records.ORDER[:2]]
+    assert f"{ratio:.1f} times, the ratio of lesson 05's waits ({waits[0]:.1f} s against {waits[1]:.1f})" in readme

@@ -3,8 +3,8 @@
 # CPU, and of one short run of the training command in a CPU child (lesson 05's kind of cell), the
 # median of three each. Run it on the 2-core CPU and on the TPU machine (after tpu_setup.sh) to see
 # whether lesson 05's slower children there come from the machine (gVisor) or from the kit.
-# Usage: bash results/lesson_runs/child_cost.sh > FILE.json
-set -e
+# Usage: bash results/lesson_runs/child_cost.sh > results/lesson_runs/child_cost/MACHINE.json
+set -e -o pipefail
 export JAX_PLATFORMS=cpu
 dir=$(mktemp -d)
 time_it() {  # prints the median wall seconds of three runs of "$@"
@@ -15,6 +15,7 @@ time_it() {  # prints the median wall seconds of three runs of "$@"
         echo "$end - $start" | bc
     done | sort -n | sed -n 2p
 }
+# a failed child exits the pipeline's first part: set -e -o pipefail stops the script there
 import_s=$(time_it python -c "import jax; jax.devices()")
 command_s=$(time_it python -m tunix_nb.train sft --model tiny --steps 20 --batch-size 16 \
     --metrics-file "$dir/m.jsonl")
