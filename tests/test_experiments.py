@@ -677,7 +677,7 @@ def test_steps_to_reach_is_each_seeds_first_checkpoint_at_the_score():
         pilots.steps_to_reach(record, "offline", 0.9)
 
 
-def test_validation_curves_plot_each_arm_and_mark_the_chosen_checkpoints():
+def test_validation_curves_plot_each_trained_arm_and_mark_the_chosen_checkpoints():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -685,6 +685,7 @@ def test_validation_curves_plot_each_arm_and_mark_the_chosen_checkpoints():
 
     record = _record_with_curves({"offline": [[0.5, 0.9, 1.0], [0.5, 0.5, 0.97]],
                                   "on_policy": [[0.96, 0.97, 0.98], [0.95, 0.99, 0.99]]})
+    record["runs"]["long"]["untrained"] = [{"scores": [0.5]}, {"scores": [0.5]}]  # lesson 08's SFT arm: no curve
     ax = figures.plot_validation_curves(record, title="t").axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["offline", "on_policy"]
     marked = [c.get_offsets().tolist() for c in ax.collections if c.get_offsets().shape[0] == 2 and

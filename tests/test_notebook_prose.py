@@ -123,7 +123,7 @@ UNIT_SCALES = {"%": (1, 100), "k": (1, 1e-3), "M": (1, 1e-6), "B": (1, 1e-9), "K
 QUOTES_RESULTS = {
     "02_distilling_a_student": [("lesson02_distillation.json",)],
     "07_benchmarks": [("bench.json",)],
-    "08_grpo": [("lesson08_grpo.json",)],
+    "08_grpo": [("lesson08_grpo_budgets.json",)],
     "09_hf_checkpoints": [("memory.json", "rows")],
     "10_lora_qlora": [("bench.json", "figures", "lora_exact_match_over_full"),
                       ("bench.json", "figures", "lora_optimizer_state_share"),

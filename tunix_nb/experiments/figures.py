@@ -79,9 +79,11 @@ def plot_by_answer_length(record: dict, *, title: str, key: str = "scores", sett
 
 def plot_validation_curves(record: dict, *, title: str, key: str = "val_edit_similarity", setting: str = "long"):
     """Each arm's validation score along its one trajectory (the runs' "curve"), over the seeds;
-    each seed's chosen checkpoint marked."""
+    each seed's chosen checkpoint marked. Arms that do not train (no curve) are left out."""
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for arm, arm_runs in record["runs"][setting].items():
+        if "curve" not in arm_runs[0]:
+            continue
         steps = [point["step"] for point in arm_runs[0]["curve"]]
         values_SxX = [[point[key] for point in run["curve"]] for run in arm_runs]
         color = ARM_COLORS.get(arm, "C3")
