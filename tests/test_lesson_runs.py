@@ -277,3 +277,15 @@ def test_the_child_cost_figures_are_the_two_machines_measurements():
     waits = [time_gap.child_wait_seconds(next(x for x in stored(name)["lessons"] if x["lesson"].startswith("05")))
              for name in records.ORDER[:2]]
     assert f"{ratio:.1f} times, the ratio of lesson 05's waits ({waits[0]:.1f} s against {waits[1]:.1f})" in readme
+
+
+def test_the_rerun_notes_quote_the_parts_they_come_from():
+    """results/lesson_runs/README.md's figures on the rerun at 02b33c8: lesson 08 with an empty and
+    with a filled compilation cache, and lesson 00 at both commits."""
+    readme = " ".join((RECORDS / "README.md").read_text().split())
+    seconds = lambda path: json.loads(path.read_text())["lessons"][0]["cells_seconds"]  # noqa: E731
+    warm, cold = seconds(RECORDS / "compile_cache_rerun" / "tpu_08.json"), seconds(RECORDS / "parts_02b33c8" / "tpu_08.json")
+    assert f"lesson 08 took {warm:.1f} s against {cold:.1f} s in the empty cache" in readme
+    # the chip record at 032e986 (once the 13 parts are merged, this section is rewritten with them)
+    then = next(x for x in stored(records.ORDER[0])["lessons"] if x["lesson"].startswith("00"))["cells_seconds"]
+    assert f"({seconds(RECORDS / 'parts_02b33c8' / 'tpu_00.json'):.1f} s against {then:.1f} for lesson 00)" in readme
