@@ -85,6 +85,10 @@ ALLOWED_SMALL = {
                                            "printed to one significant digit",
         r"^beta=0\.9999 +T²·JSD 0\.0005$": "the JSD's limit near beta = 1, printed to one significant digit",
     },
+    "08_grpo.ipynb": {
+        r"^grpo +0\.0003 +\[600\] ":
+            "GRPO's learning rate, 3e-4, a config value of the stored results/lesson08_grpo_budgets.json",
+    },
     "09_hf_checkpoints.ipynb": {
         r"^rms_norm_eps +1e-06$": "a constant of the fixture's config.json",
         r"^ModelConfig\(.*norm_eps=1e-06,": "the same constant, in the kit's config",
