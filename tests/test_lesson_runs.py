@@ -289,3 +289,17 @@ def test_the_rerun_notes_quote_the_parts_they_come_from():
     # the chip record at 032e986 (once the 13 parts are merged, this section is rewritten with them)
     then = next(x for x in stored(records.ORDER[0])["lessons"] if x["lesson"].startswith("00"))["cells_seconds"]
     assert f"({seconds(RECORDS / 'parts_02b33c8' / 'tpu_00.json'):.1f} s against {then:.1f} for lesson 00)" in readme
+
+
+def test_the_depth_figures_are_the_stored_measurement():
+    """results/compile_costs/README.md quotes depth_cpu.json: per-layer and stacked compile seconds."""
+    costs = ROOT / "results" / "compile_costs"
+    depth = json.loads((costs / "depth_cpu.json").read_text())
+    readme = " ".join((costs / "README.md").read_text().split())
+    per_layer, stacked = depth["per_layer"], depth["stacked"]
+    assert (f"{per_layer['compile_seconds']['2']:.2f} s at 2 layers, {per_layer['compile_seconds']['28']:.2f} s at 28 "
+            f"({per_layer['ratio']:.2f} times)") in readme
+    assert (f"{stacked['compile_seconds']['2']:.2f} s and {stacked['compile_seconds']['28']:.2f} s "
+            f"({stacked['ratio']:.2f} times)") in readme
+    assert depth["same_step"]["largest_parameter_difference"] == 0.0
+    assert depth["same_step"]["loss"]["per_layer"] == depth["same_step"]["loss"]["stacked"]
