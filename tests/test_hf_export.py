@@ -444,3 +444,46 @@ def test_generate_errors_name_the_folder(exports, tmp_path):
     (folder / "tokenizer.json").unlink()
     code, _, err = run_generate("--model", str(folder), "--prompt", "hi")
     assert code == 2 and "has no tokenizer.json and its vocabulary (320)" in err
+
+
+def merge_error_over_bound(merged_dir, adapter_dir, source_dir, *, scale: float, rank: int) -> float:
+    """The largest |written - W - scale B A| over its bound, across every adapted weight of a
+    merged export, by PEFT's formula in float64 on the files alone. W is the source's weight
+    in the export's dtype (the base the command held); the bound is half a unit in the
+    export dtype's last place plus float32's rounding of the rank-r sum."""
+    from safetensors.flax import load_file as load_arrays  # bfloat16 too
+
+    written, pieces = load_arrays(merged_dir / hf.SINGLE_FILE), load_arrays(adapter_dir / "adapter_model.safetensors")
+    source = load_arrays(source_dir / hf.SINGLE_FILE)
+    worst = 0.0
+    for key, a in pieces.items():
+        if ".lora_A." not in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        dtype = written[name].dtype
+        w = np.asarray(source[name].astype(dtype), np.float64)
+        b = np.asarray(pieces[key.replace(".lora_A.", ".lora_B.")], np.float64)
+        a = np.asarray(a, np.float64)
+        exact = w + scale * (b @ a)
+        bound = (float(jnp.finfo(dtype).eps) / 2 * np.abs(exact)
+                 + compare.float32_bound(rank + 2) * (np.abs(w) + scale * (np.abs(b) @ np.abs(a))))
+        worst = max(worst, float((np.abs(np.asarray(written[name], np.float64) - exact) / bound).max()))
+    return worst
+
+
+def test_a_bfloat16_merged_export_is_pefts_merge_rounded_to_bfloat16(adapted, tmp_path):
+    """On a TPU the command holds the base in bfloat16 and writes the merged export in it
+    (lesson 12's float32 logit check of the export failed there): each adapted weight must
+    be W + (alpha / r) B A of the bfloat16 base, rounded to bfloat16, and a wrong scale must
+    show. Adapters drawn from a normal, not dyadic: the rounding really happens."""
+    _, _, config, lora_graphdef, adapters, base = adapted["qwen3"]
+    rng = np.random.default_rng(3)
+    adapters = jax.tree.map(lambda x: jnp.asarray(rng.normal(0.0, 0.3, x.shape), jnp.float32), adapters)
+    bf16_base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)
+    merged_dir = hf.save_merged(tmp_path / "merged", lora_graphdef, adapters, bf16_base, alpha=kit_exports.ALPHA)
+    adapter_dir = peft_adapter.save_adapter(tmp_path / "adapter", adapters, config, alpha=kit_exports.ALPHA,
+                                            base_model_name_or_path="qwen3")
+    source, scale = kit_exports.FIXTURES / "qwen3", kit_exports.ALPHA / kit_exports.RANK
+    ratio = merge_error_over_bound(merged_dir, adapter_dir, source, scale=scale, rank=kit_exports.RANK)
+    assert 0.1 < ratio <= 1.0  # within the bound, and bfloat16's rounding is a visible part of it
+    assert merge_error_over_bound(merged_dir, adapter_dir, source, scale=1.01 * scale, rank=kit_exports.RANK) > 1.0
