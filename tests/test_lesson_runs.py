@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 import warnings
@@ -276,19 +277,69 @@ def test_the_child_cost_figures_are_the_two_machines_measurements():
     ratio = chip["command_20_steps_seconds"] / cpu["command_20_steps_seconds"]
     waits = [time_gap.child_wait_seconds(next(x for x in stored(name)["lessons"] if x["lesson"].startswith("05")))
              for name in records.ORDER[:2]]
-    assert f"{ratio:.1f} times, the ratio of lesson 05's waits ({waits[0]:.1f} s against {waits[1]:.1f})" in readme
+    assert f"{ratio:.1f} times, close to the ratio of lesson 05's waits in the record ({waits[0]:.1f} s against " \
+           f"{waits[1]:.1f}, {waits[0] / waits[1]:.1f} times)" in readme
 
 
-def test_the_rerun_notes_quote_the_parts_they_come_from():
-    """results/lesson_runs/README.md's figures on the rerun at 02b33c8: lesson 08 with an empty and
-    with a filled compilation cache, and lesson 00 at both commits."""
+def lesson_of(record: dict, number: str) -> dict:
+    return next(x for x in record["lessons"] if x["lesson"].startswith(number))
+
+
+def test_the_record_notes_quote_the_runs_they_come_from():
+    """results/lesson_runs/README.md's figures on the chip's record at 02b33c8: lesson 08 with an
+    empty and with a filled compilation cache, lesson 12 stopped and then run from its fix."""
     readme = " ".join((RECORDS / "README.md").read_text().split())
-    seconds = lambda path: json.loads(path.read_text())["lessons"][0]["cells_seconds"]  # noqa: E731
-    warm, cold = seconds(RECORDS / "compile_cache_rerun" / "tpu_08.json"), seconds(RECORDS / "parts_02b33c8" / "tpu_08.json")
-    assert f"lesson 08 took {warm:.1f} s against {cold:.1f} s in the empty cache" in readme
-    # the chip record at 032e986 (once the 13 parts are merged, this section is rewritten with them)
-    then = next(x for x in stored(records.ORDER[0])["lessons"] if x["lesson"].startswith("00"))["cells_seconds"]
-    assert f"({seconds(RECORDS / 'parts_02b33c8' / 'tpu_00.json'):.1f} s against {then:.1f} for lesson 00)" in readme
+    chip = stored(CHIP_RECORD)
+    warm = json.loads((RECORDS / "compile_cache_rerun" / "tpu_08.json").read_text())["lessons"][0]["cells_seconds"]
+    assert f"lesson 08 took {warm:.1f} s against {lesson_of(chip, '08')['cells_seconds']:.1f} s in the empty cache" in readme
+    stopped = lesson_of(chip, "12")
+    assert stopped["failed_cell"] == 24 and "code cell 24" in readme
+    tail = (RECORDS / "lesson12_fix" / "tail_at_02b33c8.log").read_text()
+    apart, bound = re.search(r"kit vs transformers: \S+; base \+ adapter vs merged \(above\): (\S+)", tail)[1], \
+        re.search(r"merged export, largest logit difference ≤ (\S+) \(float32's bound\): False", tail)[1]
+    assert f"(it was {apart} apart, the bound {bound})" in readme
+    fixed = json.loads((RECORDS / "lesson12_fix" / "tpu_12.json").read_text())
+    assert fixed["lessons"][0]["completed"] and fixed["lessons"][0]["backend"] == "tpu"
+    assert f"ran to the end on the chip, {fixed['lessons'][0]['cells_seconds']:.1f} s" in readme
+    assert f"{fixed['commit']} checks the export" in readme
+
+
+@pytest.mark.needs_git
+def test_the_fixed_lesson_12_run_matches_its_commit():
+    fixed = json.loads((RECORDS / "lesson12_fix" / "tpu_12.json").read_text())
+    assert_made_at_its_commit(fixed, "lesson12_fix/tpu_12.json")
+
+
+@pytest.mark.needs_git
+def test_unchanged_lessons_ran_longer_on_this_lease_than_at_the_first_record():
+    """The README's range: lessons whose cells did not change (completed at both), against the
+    chip's record at 032e986, which the record at 02b33c8 replaced."""
+    shown = subprocess.run(["git", "show", "0406ff5:results/lesson_runs/tpu_v5e_1.json"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout
+    then, now = json.loads(shown), stored(CHIP_RECORD)
+    assert then["commit"].startswith("032e986")
+    ratios = {x["lesson"][:2]: lesson_of(now, x["lesson"][:2])["cells_seconds"] / x["cells_seconds"]
+              for x in then["lessons"]
+              if x["notebook_sha256"] == lesson_of(now, x["lesson"][:2])["notebook_sha256"]
+              and lesson_of(now, x["lesson"][:2])["completed"]}
+    readme = " ".join((RECORDS / "README.md").read_text().split())
+    named = ", ".join(sorted(ratios)[:-1]) + " and " + sorted(ratios)[-1]
+    low, high = round(100 * (min(ratios.values()) - 1)), round(100 * (max(ratios.values()) - 1))
+    assert f"Lessons {named}, whose cells did not change, took {low}% to {high}% longer" in readme
+    assert f"({lesson_of(now, '00')['cells_seconds']:.1f} s against {lesson_of(then, '00')['cells_seconds']:.1f} for lesson 00)" in readme
+
+
+def test_the_lessons_where_compiling_is_most_of_the_gap_are_the_tables():
+    rows = time_gap.rows(stored(records.ORDER[0]), stored(records.ORDER[1]))
+    most = [r["lesson"][:2] for r in rows if r["seconds"][0] > r["seconds"][1]
+            and r["compiling"][0] - r["compiling"][1] >= (r["seconds"][0] - r["seconds"][1]) / 2]
+    less = [r["lesson"][:2] for r in rows if r["seconds"][0] > r["seconds"][1] and r["lesson"][:2] not in most
+            and r["lesson"][:2] != "05"]
+    readme = " ".join((RECORDS / "README.md").read_text().split())
+    assert f"In lessons {', '.join(most[:-1])} and {most[-1]} that extra compiling is at least half the difference" in readme
+    assert f"In {', '.join(less[:-1])} and {less[-1]} it is less" in readme
+    no_slower = [r["lesson"][:2] for r in rows if r["seconds"][0] <= r["seconds"][1]]
+    assert f"The lessons no slower on the chip ({', '.join(no_slower)})" in readme
 
 
 def test_the_depth_figures_are_the_stored_measurement():
