@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tunix_nb.lessons import hashes, records, runner, time_gap
+from tunix_nb.lessons import carry_forward, hashes, records, runner, time_gap
 from tunix_nb.lessons.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / records.RECORDS_DIR
+STOPPED_12 = RECORDS / "lesson12_at_02b33c8"  # lesson 12's stop on the chip
 CHIP_RECORD = "tpu_v5e_1.json"
 LESSONS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 RECORD_NAMES = sorted(set(records.ORDER) | {p.name for p in RECORDS.glob("*.json")})
@@ -286,28 +287,58 @@ def lesson_of(record: dict, number: str) -> dict:
 
 
 def test_the_record_notes_quote_the_runs_they_come_from():
-    """results/lesson_runs/README.md's figures on the chip's record at 02b33c8: lesson 08 with an
-    empty and with a filled compilation cache, lesson 12 stopped and then run from its fix."""
+    """results/lesson_runs/README.md's figures on the chip's record: lesson 08 with an empty and
+    with a filled compilation cache, lesson 12 stopped at 02b33c8 and then run from its fix."""
     readme = " ".join((RECORDS / "README.md").read_text().split())
     chip = stored(CHIP_RECORD)
     warm = json.loads((RECORDS / "compile_cache_rerun" / "tpu_08.json").read_text())["lessons"][0]["cells_seconds"]
     assert f"lesson 08 took {warm:.1f} s against {lesson_of(chip, '08')['cells_seconds']:.1f} s in the empty cache" in readme
-    stopped = lesson_of(chip, "12")
-    assert stopped["failed_cell"] == 24 and "code cell 24" in readme
-    tail = (RECORDS / "lesson12_fix" / "tail_at_02b33c8.log").read_text()
-    apart, bound = re.search(r"kit vs transformers: \S+; base \+ adapter vs merged \(above\): (\S+)", tail)[1], \
-        re.search(r"merged export, largest logit difference ≤ (\S+) \(float32's bound\): False", tail)[1]
+    stopped_run = json.loads((STOPPED_12 / "tpu_12.json").read_text())
+    stopped = stopped_run["lessons"][0]
+    assert stopped_run["commit"].startswith("02b33c8") and not stopped["completed"]
+    assert f"Lesson 12 stopped at its code cell {stopped['failed_cell']}" in readme
+    tail = (STOPPED_12 / "tail.log").read_text()
+    apart = re.search(r"kit vs transformers: \S+; base \+ adapter vs merged \(above\): (\S+)", tail)[1]
+    bound = re.search(r"merged export, largest logit difference ≤ (\S+) \(float32's bound\): False", tail)[1]
     assert f"(it was {apart} apart, the bound {bound})" in readme
-    fixed = json.loads((RECORDS / "lesson12_fix" / "tpu_12.json").read_text())
-    assert fixed["lessons"][0]["completed"] and fixed["lessons"][0]["backend"] == "tpu"
-    assert f"ran to the end on the chip, {fixed['lessons'][0]['cells_seconds']:.1f} s" in readme
-    assert f"{fixed['commit']} checks the export" in readme
+    fixed = lesson_of(chip, "12")
+    assert fixed["completed"] and fixed["ran_at"]["commit"].startswith("0406ff5") and chip["commit"].startswith("0406ff5")
+    assert f"ran to the end on the chip, {fixed['cells_seconds']:.1f} s" in readme
 
 
 @pytest.mark.needs_git
-def test_the_fixed_lesson_12_run_matches_its_commit():
-    fixed = json.loads((RECORDS / "lesson12_fix" / "tpu_12.json").read_text())
-    assert_made_at_its_commit(fixed, "lesson12_fix/tpu_12.json")
+@pytest.mark.parametrize("name", RECORD_NAMES)
+def test_each_lesson_ran_from_code_its_own_commit_holds(name):
+    """A record brought forward (`lessons carry`) names each lesson's own commit: the lesson's
+    code cells there are the ones it ran, and that commit is the record's or an ancestor of it."""
+    record = stored(name)
+    for lesson in record["lessons"]:
+        ran_at = lesson.get("ran_at", {"commit": record["commit"]})["commit"]
+        assert hashes.notebook_hash_at(ran_at, f"notebooks/{lesson['lesson']}.ipynb") == lesson["notebook_sha256"]
+        ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", ran_at, record["commit"]], cwd=ROOT)
+        assert ancestor.returncode == 0, f"{name}: {lesson['lesson']} ran at {ran_at}, not before {record['commit']}"
+
+
+def without_ran_at(lesson: dict) -> dict:
+    return {k: v for k, v in lesson.items() if k != "ran_at"}
+
+
+@pytest.mark.needs_git
+def test_carrying_a_record_forward_takes_unchanged_lessons_and_names_changed_ones():
+    """From 02b33c8 to 0406ff5 only lesson 12's code cells changed: carrying the record without
+    its rerun names lesson 12; with it, every lesson stands and keeps its own commit."""
+    chip, stopped_run = stored(CHIP_RECORD), json.loads((STOPPED_12 / "tpu_12.json").read_text())
+    before = {**stopped_run, "lessons": [without_ran_at(x) for x in chip["lessons"][:12]] + stopped_run["lessons"]}
+    with pytest.raises(ValueError, match="the code cells of 12_your_model_and_data at 0406ff5 differ"):
+        carry_forward.carry_forward(before, [], "0406ff5")
+    rerun = {**before, "commit": "0406ff5", "lessons": [without_ran_at(lesson_of(chip, "12"))]}
+    carried = carry_forward.carry_forward(before, [rerun], "0406ff5")
+    assert records.outcome(carried) == "13 of 13" and carried["commit"].startswith("0406ff5")
+    assert [x["ran_at"]["commit"][:7] for x in carried["lessons"]] == ["02b33c8"] * 12 + ["0406ff5"]
+    with pytest.raises(ValueError, match="a rerun has runtime 'CPU'"):
+        carry_forward.carry_forward(before, [{**rerun, "runtime": "CPU"}], "0406ff5")
+    with pytest.raises(ValueError, match="tunix_nb at ea2bb2d is not the package"):
+        carry_forward.carry_forward(before, [rerun], "ea2bb2d")  # tunix_nb changed in 02b33c8
 
 
 @pytest.mark.needs_git

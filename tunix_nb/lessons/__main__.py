@@ -1,6 +1,8 @@
 """`python -m tunix_nb.lessons run [NN ...] --out FILE`: run the lessons headless and record them.
 `python -m tunix_nb.lessons table [--readme README.md]`: the README's "Runs on" table from the records.
 `python -m tunix_nb.lessons merge PART.json ... --out FILE`: one record from parts run from one commit.
+`python -m tunix_nb.lessons carry RECORD RERUN.json ... --at COMMIT --out FILE`: a record brought forward
+to a later commit, where only the lessons whose code changed ran again.
 `python -m tunix_nb.lessons gap [--readme results/lesson_runs/README.md]`: where the chip's time goes.
 
 Examples:
@@ -8,6 +10,7 @@ Examples:
   python -m tunix_nb.lessons run 00 01 --out first_two.json --timeout 300
   python -m tunix_nb.lessons table --readme README.md                            # rewrite the README's table
   python -m tunix_nb.lessons merge tpu_00.json tpu_01.json --out results/lesson_runs/tpu_v5e_1.json
+  python -m tunix_nb.lessons carry tpu_v5e_1.json tpu_12.json --at HEAD --out tpu_v5e_1.json
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tunix_nb.lessons import records, runner, time_gap
+from tunix_nb.lessons import carry_forward, records, runner, time_gap
 
 CHIP, CPU = records.ORDER  # the TPU v5e chip's record, the 2-core CPU's
 
@@ -54,6 +57,12 @@ def parse_args(argv):
     merge = commands.add_parser("merge", help="one record from runs of other lessons made from one commit")
     merge.add_argument("parts", nargs="+", type=Path, help="the records to merge")
     merge.add_argument("--out", required=True, type=Path, help="the merged record to write")
+    carry = commands.add_parser("carry", help="a record brought forward to a later commit with the lessons "
+                                              "whose code changed rerun (checked with git)")
+    carry.add_argument("record", type=Path, help="the record to bring forward")
+    carry.add_argument("reruns", nargs="*", type=Path, help="records of the lessons run again")
+    carry.add_argument("--at", required=True, help="the commit the record stands for afterwards")
+    carry.add_argument("--out", required=True, type=Path, help="the record to write (may be RECORD)")
     return parser.parse_args(argv)
 
 
@@ -70,8 +79,15 @@ def main(argv=None) -> int:
         return 0
     if args.command == "gap":
         return _time_gap(args.readme)
-    if args.command == "merge":
-        record = records.merge([json.loads(part.read_text()) for part in args.parts])
+    if args.command in ("merge", "carry"):
+        try:
+            record = (records.merge([json.loads(part.read_text()) for part in args.parts]) if args.command == "merge"
+                      else carry_forward.carry_forward(json.loads(args.record.read_text()),
+                                                       [json.loads(rerun.read_text()) for rerun in args.reruns],
+                                                       args.at))
+        except ValueError as err:
+            print(err, file=sys.stderr)
+            return 2
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"{records.outcome(record)} lessons ran to the end on {record['runtime']}; wrote {args.out}")
         return 0
