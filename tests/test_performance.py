@@ -150,8 +150,10 @@ def test_the_training_command_takes_remat_and_resumes_either_way(tmp_path):
 
 
 def test_the_training_command_scans_its_layers_on_request_and_resumes_either_way(tmp_path):
-    """--scan-layers runs the blocks as one scan (the built model says so); the same update, so a
-    run stopped with it continues without it to the bits of a plain run on the CPU."""
+    """--scan-layers runs the blocks as one scan (the built model says so) over their stack
+    (tunix_nb.layer_stack); the same update but for AdamW's last bits where the clip acts, so
+    a run stopped with it continues without it to within the stack's bound of a plain run
+    (tests/test_layer_stack.py)."""
     from tunix_nb import checkpoint
     from tunix_nb import cli as cli_module
     from tunix_nb.cli import models as cli_models
@@ -162,7 +164,9 @@ def test_the_training_command_scans_its_layers_on_request_and_resumes_either_way
     assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "plain")]) == 0
     assert cli_module.main([*base, "--scan-layers", "--stop-after", "2", "--ckpt-dir", str(tmp_path / "scan")]) == 0
     assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "scan")]) == 0
-    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "plain"), checkpoint.load_params(tmp_path / "scan"))
+    apart = compare.relative_distance(checkpoint.load_params(tmp_path / "scan"), checkpoint.load_params(tmp_path / "plain"),
+                                      model.nnx.to_pure_dict(params))
+    assert apart <= compare.float32_bound(model.count_params(params))  # the clip's norm: tests/test_layer_stack.py
 
 
 def test_spread_and_per_round_ratios():

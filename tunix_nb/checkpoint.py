@@ -64,11 +64,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunix_nb import model, parallel
+from tunix_nb import layer_stack, model, parallel
 
 
 class DamagedCheckpointError(RuntimeError):
     """A checkpoint's files could not be read back, or hold other numbers than were saved."""
+
+
+class LayoutError(ValueError):
+    """A checkpoint in the other layout of the blocks (`layer_stack`) that the caller gave no way to read."""
 
 
 class DamagedCheckpointWarning(UserWarning):
@@ -216,7 +220,8 @@ def save(manager, step: int, *, params, opt_state, meta: dict, rng=None, replica
     params = _pure(params)
     items = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state)}
     sums = {"params": checksum(params), "opt_state": checksum(opt_state)}
-    meta = {**meta, "step": step}
+    # the layout (layer_stack): blocks stacked on a layer axis, or one tree per block (and before it was recorded)
+    meta = {**meta, "step": step, "stacked_blocks": layer_stack.is_stacked(params)}
     if rng is not None:
         rng_data = {"key_data": np.asarray(jax.random.key_data(rng))}  # host data: the same in every process
         items["rng"] = ocp.args.StandardSave(rng_data)
@@ -368,6 +373,8 @@ def newest_readable(manager_or_dir, read, *, step: int | None = None):
         for candidate in steps:
             try:
                 return read(manager, candidate)
+            except LayoutError:  # readable, but the caller must say how: not damage
+                raise
             except Exception as err:  # a damaged checkpoint raises many kinds of errors
                 failed()
                 why = _describe(err, manager.directory)
@@ -412,8 +419,12 @@ def newest_readable_meta(manager) -> dict | None:
             return None
 
 
-def _restore_step(manager, step: int, params_like, opt_state_like, placement):
+def _restore_step(manager, step: int, params_like, opt_state_like, placement, plain_like=None):
     params_like = _pure(params_like)
+    saved_stacked = _read_meta(manager, step).get("stacked_blocks", False)
+    if saved_stacked != layer_stack.is_stacked(params_like):  # saved in the other layout: read it as saved
+        return _restore_other_layout(manager, step, (params_like, opt_state_like), placement, plain_like,
+                                     saved_stacked)
     shardings = (None, None) if placement is None else parallel.state_shardings(
         (params_like, opt_state_like), *placement)
     meta = _read_meta(manager, step)
@@ -432,8 +443,23 @@ def _restore_step(manager, step: int, params_like, opt_state_like, placement):
     return restored["params"], restored["opt_state"], meta
 
 
+def _restore_other_layout(manager, step: int, like, placement, plain_like, saved_stacked: bool):
+    """A checkpoint saved with the blocks stacked read into a run that keeps them one tree per
+    block, or the other way round (`layer_stack`): read as it was saved, then converted on the
+    device. Reading one tree per block needs that layout's structure, `plain_like`."""
+    if saved_stacked:
+        read_like = layer_stack.abstract_in_layout(like, stacked=True)  # a stacked run's state: pure dicts
+    elif plain_like is not None:
+        read_like = plain_like
+    else:
+        raise LayoutError(f"Step {step} holds the blocks one tree per block and this run stacks them; "
+                         "pass plain_like=(params_like, opt_state_like) in the model's own layout to convert it.")
+    params, opt_state, meta = _restore_step(manager, step, *read_like, placement)
+    return (*layer_stack.convert((params, opt_state), like), meta)
+
+
 def restore(manager, *, params_like, opt_state_like, step: int | None = None, replicate_to: int | None = None,
-            mesh=None, parallel_mode: str | None = None):
+            mesh=None, parallel_mode: str | None = None, plain_like=None):
     """Restore (params, opt_state, meta) at `step`, or the newest checkpoint that restores.
 
     `params_like`/`opt_state_like` give the structure (a fresh model's params and
@@ -441,6 +467,10 @@ def restore(manager, *, params_like, opt_state_like, step: int | None = None, re
     `replicate_to` devices for pmap, or placed on `mesh` as `parallel_mode` ("shard_map",
     "dp", "fsdp") wants them, each process reading only its own shards. `meta` is the saved JSON (with `step`), plus the
     saved key as `meta["rng"]` when there is one.
+
+    A checkpoint saved in the other layout of the blocks (`layer_stack`: stacked on a layer axis,
+    or one tree per block) is read as saved and converted; for a run that stacks them, reading
+    the plain layout needs `plain_like`, (params_like, opt_state_like) in that layout.
 
     Without `step`: if the newest checkpoint is damaged, this warns
     (`DamagedCheckpointWarning`, with its step and the error) and tries the one before;
@@ -453,7 +483,7 @@ def restore(manager, *, params_like, opt_state_like, step: int | None = None, re
         raise ValueError("replicate_to (pmap) and mesh cannot be combined; choose one placement.")
     placement = None if mesh is None else (mesh, parallel_mode)
     params, opt_state, meta = newest_readable(
-        manager, lambda m, s: _restore_step(m, s, params_like, opt_state_like, placement), step=step)
+        manager, lambda m, s: _restore_step(m, s, params_like, opt_state_like, placement, plain_like), step=step)
     if isinstance(params_like, nnx.State):
         params = _replace_pure(params_like, params)
     if replicate_to is not None:
@@ -507,7 +537,9 @@ def _read_params_and_meta(manager, step: int):
     restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_targets(like))))
     params = jax.tree.map(np.asarray, restored["params"])
     _verify(meta, "params", params)
-    return params, meta
+    # a run that trained with its blocks stacked (layer_stack) saved them so: one tree per block
+    # again, as views of the host arrays
+    return layer_stack.unstack(params, on_host=True), meta
 
 
 def load_params(ckpt_dir, step: int | None = None):

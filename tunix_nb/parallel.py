@@ -21,6 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from tunix_nb import layer_stack
+
 DEVICE_AXIS = "devices"  # the name of the leading device axis of pmapped arrays
 
 
@@ -131,9 +133,18 @@ def fsdp_spec(shape, n: int, axis: str = MESH_AXIS) -> P:
 
 
 def fsdp_shardings(tree, mesh: Mesh, axis: str = MESH_AXIS):
-    """A NamedSharding per leaf of `tree` (arrays or shape-dtype structs) by `fsdp_spec`."""
+    """A NamedSharding per leaf of `tree` (arrays or shape-dtype structs) by `fsdp_spec`. A leaf
+    of stacked blocks (`layer_stack`, [n_layers, ...]) is never split on its layer axis: the
+    scan takes one layer a step, and each layer must stay spread over every device."""
     n = _axis_size(mesh, axis)
-    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), n, axis)), tree)
+
+    def sharding(path, x):
+        shape = np.shape(x)
+        if len(shape) > 1 and any(getattr(key, "key", None) == layer_stack.STACKED for key in path):
+            return NamedSharding(mesh, P(None, *fsdp_spec(shape[1:], n, axis)))
+        return NamedSharding(mesh, fsdp_spec(shape, n, axis))
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
 
 
 def state_shardings(tree, mesh: Mesh, parallel_mode: str):

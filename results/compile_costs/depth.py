@@ -1,14 +1,16 @@
-"""Does the SFT step's compile time grow with depth? Issue 47, item 3: the design test.
+"""Does the SFT step's compile time grow with depth? Issue 47, item 3.
 
 The student's shapes at 2 and at 28 layers, blocks run as one `lax.scan` (`scan_layers=True`),
 compiled ahead of time in one process with JAX's persistent cache off, two ways:
 
-- per_layer: the training state as the model names it, one tree per block (today's command).
-  The scan stacks the blocks' trees inside the step, and AdamW updates every block's leaves
-  apart, so the optimizer's program grows with depth.
-- stacked: the same parameters stacked on a leading layer axis ([n_layers, ...] a leaf), which
-  the optimizer then updates as one leaf each; the objective slices the blocks back out for the
-  model (`x[i]`), and the scan stacks them again, which XLA folds away.
+- per_layer: the training state as the model names it, one tree per block (the command before
+  `tunix_nb.layer_stack`, and without --scan-layers). The scan stacks the blocks' trees inside
+  the step, and AdamW updates every block's leaves apart, so the optimizer's program grows
+  with depth.
+- stacked: what the command trains with --scan-layers (`cli.methods.stack_layers`): the same
+  parameters stacked on a leading layer axis ([n_layers, ...] a leaf), which the optimizer then
+  updates as one leaf each; the objective slices the blocks back out for the model, and the
+  scan stacks them again, which XLA folds away.
 
 It also runs one step both ways at 28 layers from the same parameters and batch, and reports
 how far apart the updated parameters and the losses are ("same_step").
@@ -23,44 +25,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_nb import model, sft, train
+from tunix_nb import layer_stack, model, sft, train
+from tunix_nb.cli.methods import Method, stack_layers
 
 jax.config.update("jax_enable_compilation_cache", False)
 BATCH, LENGTH = 4, 64
 DEPTHS = (2, 28)
 
 
-def stack_blocks(params: dict) -> dict:
-    """A pure parameter dict with 'blocks' {0: tree, 1: tree, ...} as 'blocks_stacked' (one tree)."""
-    blocks = params["blocks"]
-    trees = [blocks[i] for i in sorted(blocks, key=int)]
-    rest = {name: value for name, value in params.items() if name != "blocks"}
-    return {**rest, "blocks_stacked": jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)}
-
-
-def unstack_blocks(stacked: dict, n_layers: int) -> dict:
-    rest = {name: value for name, value in stacked.items() if name != "blocks_stacked"}
-    blocks = {i: jax.tree.map(lambda leaf: leaf[i], stacked["blocks_stacked"]) for i in range(n_layers)}
-    return {**rest, "blocks": blocks}
-
-
-def stacked_objective(objective, template, n_layers: int):
-    """`objective` on a stacked state: the blocks are sliced out into a copy of `template`'s State."""
-    def on_stacked(stacked, batch, frozen=None):
-        state = jax.tree.map(lambda leaf: leaf, template)
-        nnx.replace_by_pure_dict(state, unstack_blocks(stacked, n_layers))
-        return objective(state, batch, frozen)
-    return on_stacked
-
-
 def step_and_state(n_layers: int, layout: str):
     """(the compiled step's jit function, its state, an optimizer state, a batch)."""
     graphdef, params = model.split(model.make_model("student", n_layers=n_layers, scan_layers=True))
+    method = Method(graphdef, params, {}, sft.objective(graphdef))
+    method = stack_layers(method) if layout == "stacked" else method
     opt = train.make_optimizer(train.OptimizerConfig(learning_rate=1e-3, warmup_steps=1, total_steps=10))
-    objective, state = sft.objective(graphdef), params
-    if layout == "stacked":
-        objective = stacked_objective(objective, params, n_layers)
-        state = stack_blocks(nnx.to_pure_dict(params))
+    objective, state = method.objective, method.params
     tokens_BxL = jax.random.randint(jax.random.key(0), (BATCH, LENGTH), 0, 200)
     batch = {"inputs": tokens_BxL, "targets": jnp.roll(tokens_BxL, -1, axis=1),
              "attention_mask": jnp.ones_like(tokens_BxL), "loss_mask": jnp.ones((BATCH, LENGTH), jnp.float32)}
@@ -80,7 +59,7 @@ def same_step(n_layers: int) -> dict:
     for layout in ("per_layer", "stacked"):
         step, state, opt_state, batch = step_and_state(n_layers, layout)
         new_state, _, metrics = step(state, opt_state, batch, None)
-        pure = nnx.to_pure_dict(new_state) if layout == "per_layer" else unstack_blocks(new_state, n_layers)
+        pure = nnx.to_pure_dict(new_state) if layout == "per_layer" else layer_stack.unstack(new_state)
         results[layout] = (pure, float(metrics["loss"]))
     differences = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), results["per_layer"][0],
                                results["stacked"][0])

@@ -99,10 +99,12 @@ def _holds_saved_steps(ckpt_dir: Path) -> bool:
     return ckpt_dir.is_dir() and any(entry.name.isdigit() and entry.is_dir() for entry in ckpt_dir.iterdir())
 
 
-def resume(manager, args, params, opt_state, run_key, mesh):
+def resume(manager, args, params, opt_state, run_key, mesh, plain_like=None):
     """(params, opt_state, start step): from the newest checkpoint that restores, or as given.
 
     Damaged newer steps are moved aside (renamed, never deleted) so they can be saved again.
+    `plain_like`: (params, opt_state) structures in the model's own layout, for a run that stacks
+    its blocks (--scan-layers) to resume from a checkpoint saved one tree per block.
     """
     import jax
 
@@ -116,7 +118,7 @@ def resume(manager, args, params, opt_state, run_key, mesh):
         try:
             params, opt_state, meta = checkpoint.restore(
                 manager, params_like=params, opt_state_like=opt_state, mesh=mesh,
-                parallel_mode=args.parallel if mesh is not None else None)
+                parallel_mode=args.parallel if mesh is not None else None, plain_like=plain_like)
         except checkpoint.DamagedCheckpointError as err:
             raise RunError(f"{err}. Move the damaged steps out of --ckpt-dir {args.ckpt_dir} (or use "
                            "another --ckpt-dir) to start over. Nothing was changed.")

@@ -11,7 +11,7 @@ from tunix_nb.cli.checkpoints import open_checkpoints, resume, with_recorded_def
 from tunix_nb.cli.export import export_run
 from tunix_nb.cli.flags import FlagError, RunError, build_parser, check_flags, command_parser, parse_args
 from tunix_nb.cli.loop import keep_metrics_file, open_trackers, packing_of, train_with_saves
-from tunix_nb.cli.methods import build_method
+from tunix_nb.cli.methods import build_method, stack_layers
 from tunix_nb.cli.output_paths import check_output_paths
 from tunix_nb.cli.run_config import check_devices, resolve_config
 from tunix_nb.cli.stop_signals import StopRequest
@@ -43,6 +43,8 @@ def prepare(args):
     config = with_recorded_defaults(args, config)
     manager = open_checkpoints(args, config)  # checked first: a clash changes nothing
     method = build_method(config, with_eval=args.eval_every is not None)
+    if config.training.scan_layers:
+        method = stack_layers(method)
     n_rows = len(next(iter(method.rows.values())))
     if config.batch_size > n_rows:
         raise FlagError(f"--batch-size {config.batch_size} is larger than the {n_rows} training examples")
@@ -58,8 +60,12 @@ def prepare(args):
     step_fn = train.make_step(method.objective, optimizer, parallel_mode=args.parallel, donate=True, mesh=mesh,
                               grad_accum=config.training.grad_accum)
     run_key = jax.random.key(config.seed)
+    plain_like = None
+    if method.unstack is not None:  # trained stacked: a checkpoint saved one tree per block converts
+        plain_params = jax.eval_shape(method.unstack, method.params)
+        plain_like = (plain_params, jax.eval_shape(optimizer.init, plain_params))
     method.params, method.opt_state, start = resume(manager, args, method.params, optimizer.init(method.params),
-                                                    run_key, mesh)
+                                                    run_key, mesh, plain_like)
     return config, manager, method, step_fn, start, mesh, run_key
 
 

@@ -17,6 +17,8 @@ def export_run(args, config: RunConfig, method: Method, params, step: int) -> No
 
     if not (args.export_params or args.export_hf or args.export_adapter):
         return
+    if method.unstack is not None:  # --scan-layers trained the blocks stacked: the model's own layout again
+        params = method.unstack(params)
     if args.export_from == "best":
         params, step = best_params(args.ckpt_dir, params)
     if args.export_params:  # with LoRA: the adapters merged into the base, a plain model

@@ -12,6 +12,7 @@ from tunix_nb.cli.flags import FlagError, RunError
 from tunix_nb.cli.models import build_model, trainable
 from tunix_nb.cli.rows import encoded_user_data, training_arrays, training_examples
 from tunix_nb.cli.run_config import RunConfig, chunks_of
+from tunix_nb.distributed import print_once
 
 
 @dataclasses.dataclass
@@ -39,12 +40,41 @@ class Method:
     eval_objective: object = None
     # the optimizer's state (set in `prepare`, with `params` restored from --ckpt-dir where it holds this run)
     opt_state: object = None
+    # --scan-layers: the trained params -> the model's own State (one tree per block), for the
+    # exports; None where the params are trained in the model's layout already (`stack_layers`)
+    unstack: object = None
 
     def take_state(self):
         """(params, opt_state), keeping no reference here: the loop's are then the only ones, so
         the training state lives once on the devices and the donating step frees each step's input."""
         state, self.params, self.opt_state = (self.params, self.opt_state), None, None
         return state
+
+
+def stack_layers(method: Method) -> Method:
+    """--scan-layers: train the blocks' parameters stacked on a layer axis (`layer_stack`), so that
+    the optimizer's program, and with it the compile, does not grow with the depth. The params
+    are handed over (the per-block arrays freed as they are stacked); the objectives slice the
+    blocks back out; `unstack` gives the exports the model's own layout. On-policy methods, whose
+    sampling runs the blocks one by one, and blocks that differ keep one tree per block."""
+    from tunix_nb import layer_stack
+
+    if method.make_rollout is not None:
+        return method
+    import jax
+
+    like = layer_stack.abstract(method.params)
+    try:
+        jax.eval_shape(layer_stack.stack, like)  # nothing computed: can the blocks be stacked?
+    except ValueError as err:
+        print_once(f"--scan-layers: {err} The state stays one tree per block.")
+        return method
+    method.params = layer_stack.stack(method.params, delete_blocks=True)
+    method.objective = layer_stack.objective(method.objective, like)
+    if method.eval_objective is not None:
+        method.eval_objective = layer_stack.objective(method.eval_objective, like)
+    method.unstack = lambda stacked: layer_stack.into_state(stacked, like)
+    return method
 
 
 def build_method(config: RunConfig, *, with_eval: bool = False) -> Method:

@@ -184,9 +184,11 @@ class TrainingConfig:
                               "recompute the rest, trading about one more forward pass for activation memory "
                               "(the same update; a run may resume with or without it)")
     scan_layers: bool = option(False, switch=True, run_defining=False,
-                               help="run the blocks as one scan over their stacked parameters: the compiled "
-                                    "step holds one block instead of one per layer, so it compiles faster for "
-                                    "deep models (the same update; a run may resume with or without it)")
+                               help="run the blocks as one scan and train their parameters stacked on a layer "
+                                    "axis: the compiled step holds one block instead of one per layer and the "
+                                    "optimizer one leaf per stack, so the compile does not grow with the depth "
+                                    "(the same update; a run may resume with or without it, its checkpoints "
+                                    "convert; the exports keep one tree per block)")
     compute_dtype: str = option("auto", choices=COMPUTE_DTYPES,
                                 help="auto: float32 on CPU, bfloat16 on TPU and on GPUs with native bfloat16 "
                                      "(compute capability 8.0 and up), float32 on older GPUs such as the T4 "

@@ -1,0 +1,190 @@
+"""--scan-layers trains the blocks' parameters stacked on a layer axis (tunix_nb.layer_stack):
+the same steps as one tree per block, a compile that does not grow with the depth, checkpoints
+that convert between the two layouts, and exports in the model's own layout."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunix_nb import checkpoint, compare, data, layer_stack, lora, model, peft_adapter, sft, train
+from tunix_nb.cli.methods import Method, stack_layers
+from tunix_nb.tokenizer import ByteTokenizer
+
+QWEN3 = str(Path(__file__).parent / "fixtures" / "hf" / "qwen3")
+
+
+def student(n_layers: int = 2, preset: str = "student"):
+    return model.split(model.make_model(preset, n_layers=n_layers, scan_layers=True))
+
+
+def optimizer(clip_norm: float = 1.0):
+    return train.make_optimizer(train.OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=10,
+                                                      clip_norm=clip_norm))
+
+
+def test_stack_and_unstack_are_inverse_through_states_and_optimizer_states():
+    graphdef, params = student(3)
+    stacked = layer_stack.stack(params)
+    assert set(stacked) == {"embed", "final_norm", layer_stack.STACKED}
+    assert stacked[layer_stack.STACKED]["attn"]["q"]["kernel"].shape == (3, 64, 64)
+    assert compare.bitwise_equal(layer_stack.into_state(stacked, params), params)
+    host = layer_stack.unstack(jax.tree.map(np.asarray, stacked), on_host=True)
+    assert compare.bitwise_equal(host, nnx.to_pure_dict(params))
+    opt_state = optimizer().init(params)  # holds nnx States
+    assert layer_stack.is_stacked(layer_stack.stack(opt_state)) and not layer_stack.is_stacked(opt_state)
+    stacked_opt = layer_stack.convert(opt_state, optimizer().init(stacked))
+    assert jax.tree.structure(stacked_opt) == jax.tree.structure(optimizer().init(stacked))
+
+
+def test_stacking_can_free_the_blocks_it_was_handed():
+    _, params = student(2)
+    blocks = jax.tree.leaves(nnx.to_pure_dict(params)["blocks"])
+    layer_stack.stack(params, delete_blocks=True)
+    assert all(leaf.is_deleted() for leaf in blocks)
+
+
+def test_blocks_that_cannot_be_stacked_are_named():
+    block = {"kernel": jnp.zeros((4, 4))}
+    with pytest.raises(ValueError, match="The blocks differ in their parameters"):
+        layer_stack.stack({"blocks": {0: block, 1: {"kernel": jnp.zeros((4, 8))}}})
+    with pytest.raises(ValueError, match=r"numbered \[0, 2\], not 0..1"):
+        layer_stack.stack({"blocks": {0: block, 2: block}})
+
+
+def reversed_blocks(objective):
+    """A known-wrong stacked objective: the blocks run in reverse order."""
+    def wrong(stacked, batch, frozen=None):
+        flipped = jax.tree.map(lambda x: x[::-1], stacked[layer_stack.STACKED])
+        return objective({**stacked, layer_stack.STACKED: flipped}, batch, frozen)
+    return wrong
+
+
+def steps_each_way(use_lora: bool, clip_norm: float, ways=("plain", "stacked")):
+    """(start, {way: (params, metrics)}): three steps from the same start and batches, one tree
+    per block ("plain"), stacked, and stacked with the blocks run in reverse ("wrong")."""
+    rows = data.sft_arrays(data.load_sft()[:48], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
+    ends = {}
+    for way in ways:
+        graphdef, params = student(preset="tiny")
+        frozen = None
+        if use_lora:
+            graphdef, params, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
+            frozen = lora.frozen(base)
+        start = jax.tree.map(jnp.copy, params)
+        objective = sft.objective(graphdef)
+        method = Method(graphdef, params, {}, lora.objective(objective) if use_lora else objective, frozen=frozen)
+        method = method if way == "plain" else stack_layers(method)
+        opt = optimizer(clip_norm)
+        step = train.make_step(reversed_blocks(method.objective) if way == "wrong" else method.objective, opt)
+        p, o = method.params, opt.init(method.params)
+        for k in range(3):
+            p, o, metrics = step(p, o, {key: jnp.asarray(v[16 * k:16 * (k + 1)]) for key, v in rows.items()},
+                                 method.frozen)
+        ends[way] = (p if way == "plain" else method.unstack(p), metrics)
+    return start, ends
+
+
+def stack_bound(params) -> float:
+    """How far apart (`relative_distance`) the stacked and the plain runs may end where the clip
+    acts: its global norm sums the squares of every trained entry in another order, a relative
+    error of at most float32's bound on that many terms, which scales each clipped step alike
+    (AdamW's own last-bit differences are far below it); per distance travelled, the steps'
+    errors add up to no more than that."""
+    return compare.float32_bound(sum(x.size for x in jax.tree.leaves(params)))
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_a_step_on_the_stack_is_the_step_per_block(use_lora):
+    """Three steps with the clip acting end within `stack_bound`; blocks run in reverse order
+    (the known-wrong stack) end over 100 times further."""
+    ways = ("plain", "stacked") if use_lora else ("plain", "stacked", "wrong")
+    start, ends = steps_each_way(use_lora, clip_norm=1.0, ways=ways)
+    assert float(ends["plain"][1]["grad_norm"]) > 1.0  # the clip acts
+    bound = stack_bound(start)
+    assert compare.relative_distance(ends["stacked"][0], ends["plain"][0], start) <= bound
+    if "wrong" in ends:
+        assert compare.relative_distance(ends["wrong"][0], ends["plain"][0], start) > 100 * bound
+
+
+def test_without_the_clip_the_stack_steps_bit_for_bit():
+    """The clip aside, the stack's step is the plain step: the same arithmetic."""
+    _, ends = steps_each_way(False, clip_norm=1e9)
+    assert compare.bitwise_equal(ends["stacked"][0], ends["plain"][0])
+
+
+def compile_seconds(n_layers: int) -> float:
+    graphdef, params = student(n_layers)
+    method = stack_layers(Method(graphdef, params, {}, sft.objective(graphdef)))
+    tokens = jax.random.randint(jax.random.key(0), (4, 64), 0, 200)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "attention_mask": jnp.ones_like(tokens),
+             "loss_mask": jnp.ones((4, 64), jnp.float32)}
+    opt = optimizer()
+    lowered = train.make_step(method.objective, opt).lower(method.params, opt.init(method.params), batch, None)
+    start = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - start
+
+
+def test_the_compile_does_not_grow_with_depth():
+    """The command's stacked step at 28 layers compiles in at most 1.5x its 2-layer time (the
+    best of two compiles each), in a fresh process with JAX's persistent cache off: the suite's
+    cache would answer from earlier runs. One tree per block took 3.74x
+    (results/compile_costs/depth_cpu.json)."""
+    script = ("import json, test_layer_stack as t; "
+              "print(json.dumps({n: min(t.compile_seconds(n) for _ in range(2)) for n in (2, 28)}))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+                                                          "JAX_ENABLE_COMPILATION_CACHE": "false"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    seconds = {int(n): s for n, s in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    assert seconds[28] <= 1.5 * seconds[2], seconds
+
+
+def test_checkpoints_convert_between_the_layouts(tmp_path):
+    """A state saved one tree per block (every checkpoint before the stack) restores into a
+    stacked run, and a stacked one into a run per block, bit for bit; `load_params` reads a
+    stacked checkpoint in the model's own layout."""
+    graphdef, params = student(2)
+    opt = optimizer()
+    plain = (params, opt.init(params))
+    stacked = layer_stack.stack(plain)
+    for name, saved, like in (("plain", plain, stacked), ("stacked", stacked, plain)):
+        manager = checkpoint.make_manager(tmp_path / name, async_save=False)
+        checkpoint.save(manager, 1, params=saved[0], opt_state=saved[1], meta={})
+        restored = checkpoint.restore(manager, params_like=like[0], opt_state_like=like[1], plain_like=plain)
+        assert compare.bitwise_equal(restored[:2], like) and jax.tree.structure(restored[1]) == jax.tree.structure(like[1])
+    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "stacked"), nnx.to_pure_dict(params))
+    with pytest.raises(checkpoint.LayoutError, match="one tree per block and this run stacks them; pass plain_like"):
+        checkpoint.restore(checkpoint.make_manager(tmp_path / "plain"), params_like=stacked[0],
+                           opt_state_like=stacked[1], step=1)
+
+
+def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_path):
+    """LoRA on the Qwen3 fixture, in-process. Stopped after 2 steps without --scan-layers and
+    resumed with it, the run ends within the stack's bound of the uninterrupted stacked run (its
+    first two steps ran one tree per block); the adapters export in PEFT's layout, one tensor
+    per block, the checkpoint's own."""
+    from tunix_nb import cli, hf
+
+    def run(name, *flags):
+        assert cli.main(["sft", "--model", QWEN3, "--batch-size", "8", "--steps", "4", "--save-every", "2",
+                         "--lora-rank", "4", "--parallel", "jit", "--ckpt-dir", str(tmp_path / name), *flags]) == 0
+
+    run("whole", "--scan-layers", "--export-adapter", str(tmp_path / "adapter"))
+    run("cut", "--stop-after", "2")
+    run("cut", "--scan-layers")
+    whole, cut = checkpoint.load_params(tmp_path / "whole"), checkpoint.load_params(tmp_path / "cut")
+    graphdef, params, _ = hf.load_pretrained(QWEN3, dtype="float32")
+    _, adapters, _, _ = peft_adapter.load_adapter(tmp_path / "adapter", graphdef, params)
+    assert "blocks" in whole and compare.bitwise_equal(nnx.to_pure_dict(adapters), whole)
+    start = nnx.to_pure_dict(lora.apply(graphdef, params, rank=4, alpha=8.0, seed=0)[1])
+    assert compare.relative_distance(cut, whole, start) <= stack_bound(start)
