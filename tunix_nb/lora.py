@@ -99,8 +99,9 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
     rule = provider(rank=rank, alpha=alpha, targets=targets, quantize=quantize, tile_size=tile_size)
     sample_tokens = jnp.ones((1, 2), jnp.int32)  # qwix traces one call to find the layers
     module = nnx.merge(graphdef, params)
-    remat = module.cfg.remat  # qwix creates the adapters in that call: not inside a rematerialised block
-    module.cfg = dataclasses.replace(module.cfg, remat=False)
+    # qwix creates the adapters in that call: not inside a rematerialised block or a scan
+    remat, scan_layers = module.cfg.remat, module.cfg.scan_layers
+    module.cfg = dataclasses.replace(module.cfg, remat=False, scan_layers=False)
     try:
         adapted = qwix.apply_lora_to_model(module, rule, sample_tokens, rngs=nnx.Rngs(seed))
     except ValueError as err:
@@ -109,7 +110,7 @@ def apply(graphdef, params, *, rank: int = DEFAULT_RANK, alpha: float | None = N
         raise ValueError(f"quantize={quantize!r} with tile_size={tile_size}: a kernel's input size does not "
                          f"divide by it ({err}). Pass a tile_size that divides every adapted layer's "
                          "input size.") from err
-    adapted.cfg = dataclasses.replace(adapted.cfg, remat=remat)
+    adapted.cfg = dataclasses.replace(adapted.cfg, remat=remat, scan_layers=scan_layers)
     lora_graphdef, adapters, base = nnx.split(adapted, nnx.LoRAParam, ...)
     # qwix makes the adapters in the kernel's dtype; they train in float32 whatever the
     # frozen base is kept in (a bfloat16 base: --dtype bfloat16, as PEFT's adapters do),

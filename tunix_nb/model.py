@@ -286,6 +286,22 @@ def _remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS):
     return jax.checkpoint(run)(state, x_BxLxD, positions_BxL, allowed_BxLxS)
 
 
+def _qwix_paths_as_block_zero(blocks) -> list:
+    """qwix (LoRA, QLoRA) names each module it adapts by its path, the block's index included,
+    which would make every block's structure another: they are named as block 0's while the
+    blocks are split for the scan, then renamed back (the returned (module, path) pairs). qwix
+    finds the rule of a call by that name; one provider's rule matched the same modules in
+    every block whose structure is the same, so block 0's name finds the same rule."""
+    renamed = []
+    for block in blocks:
+        for _, module in nnx.iter_modules(block):
+            path = getattr(module, "qwix_path", None)
+            if isinstance(path, tuple) and len(path) > 1 and path[0] == "blocks" and path[1] != 0:
+                renamed.append((module, path))
+                module.qwix_path = (path[0], 0, *path[2:])
+    return renamed
+
+
 def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool):
     """The blocks applied in turn, as one `jax.lax.scan` over their parameters stacked on a
     leading layer axis ([n_layers, ...] per leaf), with `jax.checkpoint` inside under remat.
@@ -295,19 +311,28 @@ def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool):
     (float32 kept, bfloat16 computed) the stack fuses with that cast; a tree kept in the
     compute dtype (a bfloat16 frozen base) is copied once more, and XLA's memory analysis
     of the step counts that copy. Blocks of different structure (an adapter on some layers
-    only) cannot share one body: they run as a loop.
+    only) cannot share one body: they run as a loop, as do blocks that change the dtype they
+    carry.
     """
-    graphdefs, states = zip(*(nnx.split(block) for block in blocks))
-    if any(graphdef != graphdefs[0] for graphdef in graphdefs[1:]):
+    renamed = _qwix_paths_as_block_zero(blocks)
+    try:
+        graphdefs, states = zip(*(nnx.split(block) for block in blocks))
+    finally:
+        for module, path in renamed:
+            module.qwix_path = path
+
+    def one_block(x_BxLxD, state):
+        return nnx.merge(graphdefs[0], state)(x_BxLxD, positions_BxL, allowed_BxLxS)[0], None
+
+    same_body = all(graphdef == graphdefs[0] for graphdef in graphdefs[1:])
+    # a block whose output dtype is not its input's (bfloat16 in, float32 adapters out, no
+    # compute dtype) cannot be a scan's carry: the loop promotes after the first block
+    if not same_body or jax.eval_shape(one_block, x_BxLxD, states[0])[0].dtype != x_BxLxD.dtype:
         for block in blocks:
             x_BxLxD = (_remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS) if remat
                        else block(x_BxLxD, positions_BxL, allowed_BxLxS)[0])
         return x_BxLxD
     stacked_states = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
-
-    def one_block(x_BxLxD, state):
-        return nnx.merge(graphdefs[0], state)(x_BxLxD, positions_BxL, allowed_BxLxS)[0], None
-
     body = jax.checkpoint(one_block) if remat else one_block
     return jax.lax.scan(body, x_BxLxD, stacked_states)[0]
 
