@@ -62,3 +62,20 @@ def test_bad_input_is_refused(capsys, tmp_path):
     assert "measure_command times one device" in capsys.readouterr().err
     assert measure_command.main(["--out", str(tmp_path / "x.json"), "--", "sft", "--model", "no/such"]) == 2
     assert "reads a preset" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_a_scanned_run_reports_no_xla_utilisation(tmp_path):
+    """XLA's cost analysis counts a loop's body once: with --scan-layers its FLOPs (kept as
+    xla_flops_counted) fall far below the step's, so the record gives no XLA utilisation and
+    says why (the chip's scanned runs counted 0.045 of the model's FLOPs)."""
+    random_checkpoint.write(tmp_path / "model", random_checkpoint.preset_config("tiny"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"row {i}: " + "abc def " * 20}) + "\n" for i in range(8)))
+    out = tmp_path / "record.json"
+    assert measure_command.main(["--out", str(out), "--", "sft", "--model", str(tmp_path / "model"), "--train-file",
+                                 str(rows), "--max-length", "65", "--batch-size", "2", "--steps", "3",
+                                 "--scan-layers"]) == 0
+    record = json.loads(out.read_text())
+    assert record["xla_flops_utilisation"] is None and record["xla_flops_per_step"] is None
+    assert 0 < record["xla_flops_counted"] < record["model_flops_per_step"]
+    assert "counts the scanned blocks once" in record["note"]

@@ -217,6 +217,8 @@ def summary(command_argv, config, recorder, compiles, xla: dict, wall: float) ->
     peak = mfu.device_peak()
     over_peak = (lambda f: mfu.utilisation(f, median, peak)) if peak and median else (lambda f: None)
     step_program = compiles.of(STEP_PROGRAM)
+    # XLA's cost analysis counts a loop's body once: with the blocks scanned, its FLOPs are not the step's
+    xla_step_flops = None if "--scan-layers" in command_argv else xla["flops"]
     return {
         "command": command_argv, "exit_code": 0, "wall_seconds": wall,
         "device": {"kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
@@ -233,12 +235,17 @@ def summary(command_argv, config, recorder, compiles, xla: dict, wall: float) ->
         "step_seconds": times, "median_step_seconds": median,
         "tokens_per_second": batch_rows * seq_len / median if median else None,
         "model_flops_per_step": flops, "model_flops_per_step_causal_halved": halved,
-        "xla_flops_per_step": xla["flops"], "xla_over_model_flops": xla["flops"] / flops,
-        "mfu": over_peak(flops), "mfu_causal_halved": over_peak(halved), "xla_flops_utilisation": over_peak(xla["flops"]),
+        "xla_flops_per_step": xla_step_flops, "xla_flops_counted": xla["flops"],
+        "xla_over_model_flops": None if xla_step_flops is None else xla_step_flops / flops,
+        "mfu": over_peak(flops), "mfu_causal_halved": over_peak(halved),
+        "xla_flops_utilisation": None if xla_step_flops is None else over_peak(xla_step_flops),
         "xla_memory": xla["memory"],
         "xla_analysis": {k: xla[k] for k in ("seconds", "compiled_again", "persistent_cache_hit")},
-        "note": None if peak else f"no peak for device kind {jax.devices()[0].device_kind!r}: MFU needs a chip "
-                                  "in tunix_nb.mfu.PEAK_FLOPS",
+        "note": "; ".join(
+            ([] if peak else [f"no peak for device kind {jax.devices()[0].device_kind!r}: MFU needs a chip in "
+                              "tunix_nb.mfu.PEAK_FLOPS"])
+            + ([] if xla_step_flops is not None else ["--scan-layers: XLA's cost analysis counts the scanned blocks "
+                                                      "once (xla_flops_counted), so no XLA utilisation"])) or None,
     }
 
 

@@ -65,7 +65,8 @@ work, out, commit = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 runs = {run: json.loads((work / f'{run}.json').read_text()) if (work / f'{run}.json').is_file() else None
         for run in sys.argv[4].split()}
 record = {'commit': commit, 'script': 'results/tpu_v5e_training/run.sh', 'runs': runs}
-(out / 'tpu_v5e_training.json').write_text(json.dumps(record, indent=2) + '\n')
+# the machine's temporary folder, as \$WORK: no machine path in a stored record
+(out / 'tpu_v5e_training.json').write_text(json.dumps(record, indent=2).replace(str(work), '\$WORK') + '\n')
 for run, r in runs.items():
     print(run, None if r is None else {k: r.get(k) for k in ('step_compiles', 'step_compile_seconds',
           'median_step_seconds', 'tokens_per_second', 'mfu', 'xla_flops_utilisation')})
