@@ -121,7 +121,7 @@ UNIT_SCALES = {"%": (1, 100), "k": (1, 1e-3), "M": (1, 1e-6), "B": (1, 1e-9), "K
 
 # notebook -> the parts of results/ its prose quotes (a file, or a file and a key path)
 QUOTES_RESULTS = {
-    "02_distilling_a_student": [("lesson02_distillation.json",)],
+    "02_distilling_a_student": [("lesson02_distillation_budgets.json",)],
     "07_benchmarks": [("bench.json",)],
     "08_grpo": [("lesson08_grpo_budgets.json",)],
     "09_hf_checkpoints": [("memory.json", "rows")],
