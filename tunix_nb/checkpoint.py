@@ -220,8 +220,9 @@ def save(manager, step: int, *, params, opt_state, meta: dict, rng=None, replica
     params = _pure(params)
     items = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state)}
     sums = {"params": checksum(params), "opt_state": checksum(opt_state)}
-    # the layout (layer_stack): blocks stacked on a layer axis, or one tree per block (and before it was recorded)
-    meta = {**meta, "step": step, "stacked_blocks": layer_stack.is_stacked(params)}
+    meta = {**meta, "step": step}
+    if layer_stack.is_stacked(params):  # the blocks on a layer axis (layer_stack); absent: one tree per block
+        meta["stacked_blocks"] = True
     if rng is not None:
         rng_data = {"key_data": np.asarray(jax.random.key_data(rng))}  # host data: the same in every process
         items["rng"] = ocp.args.StandardSave(rng_data)
@@ -421,13 +422,13 @@ def newest_readable_meta(manager) -> dict | None:
 
 def _restore_step(manager, step: int, params_like, opt_state_like, placement, plain_like=None):
     params_like = _pure(params_like)
-    saved_stacked = _read_meta(manager, step).get("stacked_blocks", False)
+    meta = _read_meta(manager, step)
+    saved_stacked = meta.get("stacked_blocks", False)
     if saved_stacked != layer_stack.is_stacked(params_like):  # saved in the other layout: read it as saved
         return _restore_other_layout(manager, step, (params_like, opt_state_like), placement, plain_like,
                                      saved_stacked)
     shardings = (None, None) if placement is None else parallel.state_shardings(
         (params_like, opt_state_like), *placement)
-    meta = _read_meta(manager, step)
     items = {"params": ocp.args.StandardRestore(_targets(params_like, shardings[0])),
              "opt_state": ocp.args.StandardRestore(_targets(opt_state_like, shardings[1]))}
     if "rng_impl" in meta:  # a host array: the same in every process
