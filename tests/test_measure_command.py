@@ -21,9 +21,9 @@ def record(tmp_path_factory):
     saved = mfu.device_peak
     mfu.device_peak = lambda device=None: mfu.peak_for("TPU v5 lite")
     try:
-        code = measure_command.main(["--out", str(out), "--", "sft", "--model", str(work / "model"), "--train-file",
-                                     str(rows), "--max-length", "65", "--batch-size", "2", "--steps", str(STEPS),
-                                     "--remat"])
+        code = measure_command.main(["--out", str(out), "--trace-steps", "2", "--", "sft", "--model",
+                                     str(work / "model"), "--train-file", str(rows), "--max-length", "65",
+                                     "--batch-size", "2", "--steps", str(STEPS), "--remat"])
     finally:
         mfu.device_peak = saved
     assert code == 0
@@ -52,6 +52,16 @@ def test_mfu_is_model_flops_over_the_peak_and_xla_counts_the_recomputation(recor
     # --remat: XLA's count holds each block's forward twice; MFU does not
     assert 1.15 < record["xla_over_model_flops"] < 1.45
     assert record["xla_flops_utilisation"] > record["mfu"]
+
+
+def test_the_traced_steps_say_where_the_time_goes(record):
+    """--trace-steps 2: the steps after the warm-up profiled, op by op (tunix_nb.step_profile)."""
+    profile = record["profile"]
+    assert profile["traced_steps"] == 2 and profile["ops"]["traced_seconds"] > 0
+    assert sum(k["share"] for k in profile["ops"]["by_kind"]) == pytest.approx(1)
+    assert "matmul" in {k["name"] for k in profile["ops"]["by_kind"]}
+    assert "model.py:attend" in {s["name"] for s in profile["ops"]["by_source"]}
+    assert profile["programs"] is None  # a CPU's trace has no device line of whole programs
 
 
 def test_bad_input_is_refused(capsys, tmp_path):

@@ -14,6 +14,10 @@ runs `python -m tunix_nb.train` in this process (`cli.main`) and watches it:
   ahead of time from the run's own argument shapes, which the persistent compilation cache
   (on in the command) serves without a second compile. With remat, XLA's count holds the
   recomputed forward, so XLA FLOPs / time / peak is hardware utilisation, not MFU.
+- where the time goes (`--trace-steps N`): a `jax.profiler` trace of N steps after the warm-up,
+  read by `tunix_nb.step_profile`: the step's ops by kind (matmuls, layout copies, other) and by
+  the function they come from, the slowest ops, and the device's idle time between steps (time
+  it waited on the host).
 Needs `--parallel jit` (one device) and `--model` a preset or a local Hugging Face folder.
 """
 
@@ -74,9 +78,30 @@ class RunRecorder:
     """Patches `train.run` and `StepLog.log` while the command runs: the step function, the
     state's shapes and placement as the loop receives them, one batch, and each step's time."""
 
-    def __init__(self):
+    def __init__(self, trace_steps: int = 0, trace_dir: str | None = None):
         self.step_fn, self.args, self.lora, self.trained_params = None, None, False, 0
         self.logged = []  # (perf_counter seconds, record) per step, as the host sees it
+        self.trace_steps, self.trace_dir, self.tracing = trace_steps, trace_dir, False
+
+    def _trace_around(self, steps_logged: int):
+        """Trace the steps after the warm-up: from the (WARMUP_STEPS + 1)-th step's metrics on,
+        for `trace_steps` more."""
+        import jax
+
+        if not self.trace_steps:
+            return
+        if steps_logged == WARMUP_STEPS + 1:
+            jax.profiler.start_trace(self.trace_dir)
+            self.tracing = True
+        elif steps_logged == WARMUP_STEPS + 1 + self.trace_steps and self.tracing:
+            self.stop_trace()
+
+    def stop_trace(self):
+        import jax
+
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
 
     @contextlib.contextmanager
     def patched(self):
@@ -97,11 +122,13 @@ class RunRecorder:
         def recording_log(step_log, record):
             self.logged.append((time.perf_counter(), dict(record)))
             log(step_log, record)
+            self._trace_around(len(self.logged))
 
         train.run, loop.StepLog.log = recording_run, recording_log
         try:
             yield self
         finally:
+            self.stop_trace()
             train.run, loop.StepLog.log = run, log
 
 
@@ -162,11 +189,26 @@ def xla_analysis(step_fn, args) -> dict:
     started = time.perf_counter()
     compiled = step_fn.lower(*args).compile()
     return {"flops": compiled_cost(compiled)["flops"], "memory": memory_of(compiled),
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "hlo_text": compiled.as_text()}
 
 
-def measure(command_argv: list[str]) -> dict:
-    """Run the training command with `command_argv` in this process; its measurements."""
+def step_profile_of(trace_dir, hlo_text: str, traced_steps: int) -> dict:
+    """The traced steps' ops (per step) and the device's idle time between steps."""
+    from tunix_nb import step_profile
+
+    events = step_profile.trace_events(trace_dir)
+    gaps = step_profile.program_gaps(events, "jit_step")
+    # the device's own count of step runs where its trace has one; else the steps asked for
+    calls = gaps["runs"] if gaps else traced_steps
+    return {"traced_steps": calls, "ops": step_profile.summarise(events, hlo_text, calls=calls),
+            "programs": gaps, "trace_lines": step_profile.lines_summary(events)}
+
+
+def measure(command_argv: list[str], *, trace_steps: int = 0, trace_dir: str | None = None) -> dict:
+    """Run the training command with `command_argv` in this process; its measurements. With
+    `trace_steps`, a profile of that many steps after the warm-up (kept in `trace_dir` if given)."""
+    import tempfile
+
     import jax
 
     from tunix_nb import cli
@@ -174,7 +216,8 @@ def measure(command_argv: list[str]) -> dict:
     if flag_value(command_argv, "--parallel", "jit") != "jit":
         raise ValueError("measure_command times one device: run the command with --parallel jit (the default).")
     config = model_config_of(command_argv)
-    compiles, recorder = CompileLog(), RunRecorder()
+    scratch = tempfile.TemporaryDirectory()
+    compiles, recorder = CompileLog(), RunRecorder(trace_steps, trace_dir or scratch.name)
     jax_logger = logging.getLogger("jax")
     jax_logger.addHandler(compiles)
     jax_logger.propagate = False
@@ -194,12 +237,14 @@ def measure(command_argv: list[str]) -> dict:
         xla["compiled_again"] = bool(compiles.of(STEP_PROGRAM, "xla_compile", since=run_records))
         xla["persistent_cache_hit"] = compiles.cache_hits > hits_before
         compiles.records = compiles.records[:run_records]
+        profile = step_profile_of(recorder.trace_dir, xla.pop("hlo_text"), trace_steps) if trace_steps else None
     finally:
+        scratch.cleanup()
         jax.config.update("jax_log_compiles", was_logging)
         jax_logger.removeHandler(compiles)
         jax_logger.propagate = True
         jax.monitoring.unregister_event_listener(compiles.on_event)
-    return summary(command_argv, config, recorder, compiles, xla, wall)
+    return {**summary(command_argv, config, recorder, compiles, xla, wall), "profile": profile}
 
 
 def summary(command_argv, config, recorder, compiles, xla: dict, wall: float) -> dict:
@@ -267,11 +312,14 @@ def main(argv=None) -> int:
                                      usage="%(prog)s --out FILE.json -- COMMAND [FLAGS of python -m tunix_nb.train]",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON record to write")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="profile this many steps after the warm-up (default 0: no profile)")
+    parser.add_argument("--trace-dir", help="keep the profiler's trace there (TensorBoard, Perfetto)")
     args = parser.parse_args(ours)
     if not command:
         parser.error("give the training command after --, e.g. -- sft --model DIR --steps 15")
     try:
-        result = measure(command)
+        result = measure(command, trace_steps=args.trace_steps, trace_dir=args.trace_dir)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@
 #   (the blocks as one scan: the compile against depth); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
+#   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
 # On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
 #                      OUT=$(mktemp -d) bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
 commit="${1:?give the commit the working tree is at}"
@@ -42,6 +43,7 @@ with open(sys.argv[1], 'w') as f:
     for _ in range(64):
         f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
 " "$work/rows.jsonl" "$length"
+trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
         --seq-chunk 256 --learning-rate 1e-4)
@@ -53,7 +55,7 @@ for run in $runs; do
         lora_r16_scan) extra=(--model "$work/qwen" --lora-rank 16 --scan-layers) ;;
         llama_qlora_r16) extra=(--model "$work/llama" --lora-rank 16 --quantize nf4) ;;
     esac
-    timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" -- "${common[@]}" "${extra[@]}" \
+    timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" "${trace[@]}" -- "${common[@]}" "${extra[@]}" \
         > "$work/$run.out" 2>&1
     echo "== $run: exit $?" > "$OUT/$run.log"
     tail -c 4000 "$work/$run.out" >> "$OUT/$run.log"
@@ -70,4 +72,9 @@ record = {'commit': commit, 'script': 'results/tpu_v5e_training/run.sh', 'runs':
 for run, r in runs.items():
     print(run, None if r is None else {k: r.get(k) for k in ('step_compiles', 'step_compile_seconds',
           'median_step_seconds', 'tokens_per_second', 'mfu', 'xla_flops_utilisation')})
+    profile = (r or {}).get('profile') or {}
+    if profile:
+        print('  by kind:', [(k['name'], round(k['share'], 3)) for k in profile['ops'].get('by_kind', [])])
+        print('  by source:', [(k['name'], round(k['share'], 3)) for k in profile['ops'].get('by_source', [])[:6]])
+        print('  programs:', profile.get('programs') and {k: profile['programs'][k] for k in ('runs', 'busy_share')})
 " "$work" "$OUT" "$commit" "$runs"

@@ -129,20 +129,18 @@ def op_profile(compiled, args, *, calls: int = 5, top: int = 8) -> dict:
 
     import jax
 
-    hlo = compiled.as_text()
-    instructions = {m.group(1): m.group(0) for m in re.finditer(r"^\s*%?([\w.\-]+) = .*$", hlo, re.M)}
+    from tunix_nb import step_profile
+
+    index = step_profile.hlo_index(compiled.as_text())
+    instructions = index.lines
     jax.block_until_ready(compiled(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         for _ in range(calls):
             jax.block_until_ready(compiled(*args))
         jax.profiler.stop_trace()
-        traces = sorted(Path(trace_dir).rglob("*.trace.json.gz"))
-        events = json.loads(gzip.decompress(traces[-1].read_bytes()))["traceEvents"] if traces else []
-    seconds = Counter()
-    for event in events:
-        if "dur" in event and event.get("name") in instructions:
-            seconds[event["name"]] += event["dur"] * 1e-6 / calls
+        events = step_profile.trace_events(trace_dir)
+    seconds = step_profile.op_seconds(events, index, calls)
     total = sum(seconds.values())
     if not total:
         return {}

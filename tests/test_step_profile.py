@@ -1,0 +1,76 @@
+"""tunix_nb.step_profile: a compiled step's traced ops by kind and by the kit's function they come
+from, with containers' time left out, and the device's idle time between steps (issue 47, item 4)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tunix_nb import sft, step_profile, train
+from tunix_nb.bench.mfu import mfu_setup
+
+
+def looped_matmul():
+    """A loop whose body is a matmul and a tanh: a container with a matmul inside."""
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ y) + 1.0, x))
+    return f.lower(jnp.ones((64, 64))).compile().as_text()
+
+
+def tpu_like_trace(hlo_text):
+    """Events laid out as a TPU's trace is: a device process with its "XLA Modules" line (whole
+    programs) and "XLA Ops" line (the HLO's instructions by name), in microseconds."""
+    index = step_profile.hlo_index(hlo_text)
+    loop = next(n for n in index.lines if index.opcode[n] == "while")
+    matmul = next(n for n in index.lines if index.opcode[n] == "fusion" and index.kind(n) == "matmul")
+    other = next(n for n in index.lines if index.opcode[n] == "fusion" and index.kind(n) == "other")
+    meta = [{"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+            {"ph": "M", "pid": 3, "tid": 1, "name": "thread_name", "args": {"name": "XLA Modules"}},
+            {"ph": "M", "pid": 3, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    modules = [{"ph": "X", "pid": 3, "tid": 1, "name": "jit_step(81)", "ts": ts, "dur": 100} for ts in (0, 150, 300)]
+    small = [{"ph": "X", "pid": 3, "tid": 1, "name": "jit_metrics(9)", "ts": 120, "dur": 10}]
+    ops = []
+    for ts in (0, 150, 300):  # each step: the loop (90) around its body's ops (60 + 20)
+        ops += [{"ph": "X", "pid": 3, "tid": 2, "name": loop, "ts": ts, "dur": 90},
+                {"ph": "X", "pid": 3, "tid": 2, "name": matmul, "ts": ts, "dur": 60},
+                {"ph": "X", "pid": 3, "tid": 2, "name": "%" + other, "ts": ts + 60, "dur": 20}]
+    return meta + modules + small + ops
+
+
+def test_ops_per_step_by_kind_leave_the_loop_containers_out():
+    hlo = looped_matmul()
+    profile = step_profile.summarise(tpu_like_trace(hlo), hlo, calls=3)
+    assert profile["traced_seconds"] == pytest.approx(80e-6)  # the while's own 90 µs not counted again
+    kinds = {k["name"]: k["share"] for k in profile["by_kind"]}
+    assert kinds == pytest.approx({"matmul": 0.75, "other": 0.25})
+    assert profile["top_ops"][0]["kind"] == "matmul" and profile["top_ops"][0]["seconds"] == pytest.approx(60e-6)
+    # the source is the function the op was written in (this file's lambda)
+    assert profile["top_ops"][0]["source"].startswith("test_step_profile.py:")
+
+
+def test_the_device_idle_time_between_steps():
+    hlo = looped_matmul()
+    gaps = step_profile.program_gaps(tpu_like_trace(hlo), "jit_step")
+    assert gaps["runs"] == 3 and gaps["idle_between_runs_seconds"] == pytest.approx([50e-6, 50e-6])
+    assert gaps["busy_share"] == pytest.approx(300 / 400) and gaps["other_programs"] == ["jit_metrics(9)"]
+    # a CPU's trace has no device line of whole programs
+    assert step_profile.program_gaps([e for e in tpu_like_trace(hlo) if e.get("pid") != 3]) is None
+
+
+def test_a_real_step_traced_on_this_machine():
+    """On the CPU the trace names the step's ops too: the matmuls, attention and the loss are found."""
+    _, graphdef, params, batch, opt = mfu_setup(2, 32)
+    args = (params, opt.init(params), batch)
+    compiled = train.make_step(sft.objective(graphdef), opt).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    import tempfile
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(2):
+            jax.block_until_ready(compiled(*args))
+        jax.profiler.stop_trace()
+        events = step_profile.trace_events(trace_dir)
+    profile = step_profile.summarise(events, compiled.as_text(), calls=2)
+    assert sum(k["share"] for k in profile["by_kind"]) == pytest.approx(1)
+    assert {k["name"] for k in profile["by_kind"]} >= {"matmul", "other"}
+    sources = {s["name"] for s in profile["by_source"]}
+    assert "model.py:attend" in sources
+    assert step_profile.lines_summary(events)[0]["seconds"] > 0
