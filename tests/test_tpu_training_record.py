@@ -41,3 +41,63 @@ def test_the_notes_quote_the_records():
     assert (f"({100 * full['xla_over_model_flops']:.1f}% and {100 * lora['xla_over_model_flops']:.1f}% of the "
             "model's FLOPs in full_scan and the scanned lora_r16_scan)") in readme
     assert f"{lora['step_compile_seconds']['xla_compile'] - 30:.1f} s over" in readme
+
+
+PROFILE = "profile_4fd035d.json"
+TOKENS, LAYERS, HEADS, HEAD_SIZE = 8 * 1024, 28, 16, 128
+LINEAR_PARAMS = 28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072)  # Qwen3-0.6B's blocks
+HEAD_PARAMS = 151936 * 1024
+PEAK = 197e12
+# each part's matmul FLOPs per step: the blocks' linears and attention run forward twice (remat) and
+# backward (2x forward); the loss's head matmul forward and backward, any recompute not counted
+PARTS = {
+    "linear layers (`Linear.__call__`)": (("linear.py:Linear.__call__",), 2 * TOKENS * LINEAR_PARAMS * 4),
+    "attention (`model.attend`)": (("model.py:attend",), 2 * 2 * TOKENS * 1024 * HEADS * HEAD_SIZE * LAYERS * 4),
+    "loss over vocabulary chunks (`vocab_chunks.py`)": (("vocab_chunks.py:",), 2 * TOKENS * HEAD_PARAMS * 3),
+}
+
+
+def profile_rows(run: dict) -> list[str]:
+    """The breakdown table of one profiled run: each part's share of the device's op time, its
+    seconds in a median step, and its matmul FLOPs at the chip's peak against those seconds."""
+    sources, median = run["profile"]["ops"]["by_source"], run["median_step_seconds"]
+    rows, named = [], 0.0
+    for part, (prefixes, flops) in PARTS.items():
+        share = sum(s["share"] for s in sources if s["name"].startswith(prefixes))
+        named += share
+        rows.append(f"| {part} | {100 * share:.1f}% | {share * median:.3f} | {flops / PEAK:.3f} "
+                    f"| {100 * flops / PEAK / (share * median):.0f}% |")
+    rows.append(f"| everything else | {100 * (1 - named):.1f}% | {(1 - named) * median:.3f} | | |")
+    return rows
+
+
+def test_the_profile_table_is_the_record():
+    readme = (HERE / "README.md").read_text()
+    table = re.search(r"<!-- begin profile -->\n(.*?)<!-- end profile -->", readme, re.S)[1]
+    run = json.loads((HERE / PROFILE).read_text())["runs"]["full_scan"]
+    assert table.strip().splitlines()[2:] == profile_rows(run)
+
+
+def test_the_profile_notes_quote_the_record():
+    readme = " ".join((HERE / "README.md").read_text().split())
+    record = json.loads((HERE / PROFILE).read_text())
+    assert record["commit"].startswith("4fd035d") and "/tmp/" not in (HERE / PROFILE).read_text()
+    full, lora = record["runs"]["full_scan"], record["runs"]["lora_r16_scan"]
+    for run in (full, lora):
+        programs = run["profile"]["programs"]
+        assert run["device"]["kind"] == "TPU v5 lite" and run["step_compiles"] == 1
+        # no step waits on the host: the device ran step after step with microseconds between
+        assert programs["busy_share"] > 0.9999 and max(programs["idle_between_runs_seconds"]) < 1e-5
+    gaps = full["profile"]["programs"]["idle_between_runs_seconds"] + lora["profile"]["programs"]["idle_between_runs_seconds"]
+    assert f"{1e6 * min(gaps):.1f} to {1e6 * max(gaps):.1f} µs between one step's program and the next" in readme
+    assert f"MFU {full['mfu']:.3f} (full) and {lora['mfu']:.3f} (LoRA r16)" in readme
+    kinds = {k["name"]: k["share"] for k in full["profile"]["ops"]["by_kind"]}
+    assert f"matmuls are {100 * kinds['matmul']:.1f}% of the full step's op time" in readme
+    runs = full["profile"]["programs"]["run_seconds"]
+    assert f"{sum(runs) / max(runs):.2f} steps' worth" in readme
+    # attention and the loss at the peak: the step without the rest of their time
+    median, sources = full["median_step_seconds"], full["profile"]["ops"]["by_source"]
+    saved = sum(sum(s["share"] for s in sources if s["name"].startswith(prefixes)) * median - flops / PEAK
+                for part, (prefixes, flops) in PARTS.items() if not part.startswith("linear"))
+    assert (f"would take {median - saved:.3f} s instead of {median:.3f} s, MFU "
+            f"{full['mfu'] * median / (median - saved):.2f}") in readme
