@@ -3,6 +3,7 @@ folder, its step compiled once, its step times, MFU and XLA's FLOPs in one recor
 
 import json
 
+import jax
 import pytest
 
 from tunix_nb import measure_command, mfu, random_checkpoint
@@ -57,11 +58,14 @@ def test_mfu_is_model_flops_over_the_peak_and_xla_counts_the_recomputation(recor
 def test_the_traced_steps_say_where_the_time_goes(record):
     """--trace-steps 2: the steps after the warm-up profiled, op by op (tunix_nb.step_profile)."""
     profile = record["profile"]
-    assert profile["traced_steps"] == 2 and profile["ops"]["traced_seconds"] > 0
+    if jax.default_backend() == "cpu":  # a CPU's trace has no device line of whole programs
+        assert profile["programs"] is None and profile["traced_steps"] == 2
+    else:  # the step programs the device ran in the window, which a small step's async dispatch shifts
+        assert profile["traced_steps"] == profile["programs"]["runs"] >= 1
+    assert profile["ops"]["traced_seconds"] > 0
     assert sum(k["share"] for k in profile["ops"]["by_kind"]) == pytest.approx(1)
     assert "matmul" in {k["name"] for k in profile["ops"]["by_kind"]}
     assert "model.py:attend" in {s["name"] for s in profile["ops"]["by_source"]}
-    assert profile["programs"] is None  # a CPU's trace has no device line of whole programs
 
 
 def test_bad_input_is_refused(capsys, tmp_path):

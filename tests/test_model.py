@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tunix_nb import compare
 from tunix_nb import model as M
 
 
@@ -233,5 +234,9 @@ def test_scanned_blocks_compute_the_unrolled_models_logits_and_gradients_bit_for
         if name == "scanned":  # qwix's per-block module names do not keep the blocks out of one scan
             hlo = jax.jit(lambda a: M.apply(lora_graphdef, lora.combine(a, base), tokens_BxL)).lower(nudged).as_text()
             assert hlo.count("stablehlo.while") == 1
-    np.testing.assert_array_equal(adapted["scanned"], adapted["unrolled"])
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(adapted["scanned"], adapted["unrolled"])
+    else:  # a TPU fused the adapted blocks otherwise in the loop: 7.5e-07 apart there (share s11)
+        bound = compare.float32_bound(compare.forward_pass_terms(config, 9) + 4) * float(jnp.abs(adapted["unrolled"]).max())
+        assert compare.max_abs_diff(adapted["scanned"], adapted["unrolled"]) <= bound
     assert float(jnp.abs(adapted["unrolled"] - M.apply(graphdef, params, tokens_BxL)).max()) > 1e-3

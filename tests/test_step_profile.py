@@ -9,6 +9,9 @@ from tunix_nb import sft, step_profile, train
 from tunix_nb.bench.mfu import mfu_setup
 
 
+PLUMBING = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+
+
 def looped_matmul():
     """A loop whose body is a matmul and a tanh: a container with a matmul inside."""
     f = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ y) + 1.0, x))
@@ -19,9 +22,11 @@ def tpu_like_trace(hlo_text):
     """Events laid out as a TPU's trace is: a device process with its "XLA Modules" line (whole
     programs) and "XLA Ops" line (the HLO's instructions by name), in microseconds."""
     index = step_profile.hlo_index(hlo_text)
+    # the backends fuse the body otherwise (a CPU: a dot fusion and an elementwise one; a TPU may
+    # fuse all into one convolution fusion), so any matmul and any other computing instruction
     loop = next(n for n in index.lines if index.opcode[n] == "while")
-    matmul = next(n for n in index.lines if index.opcode[n] == "fusion" and index.kind(n) == "matmul")
-    other = next(n for n in index.lines if index.opcode[n] == "fusion" and index.kind(n) == "other")
+    matmul = next(n for n in index.lines if index.kind(n) == "matmul")
+    other = next(n for n in index.lines if index.kind(n) == "other" and index.opcode[n] not in PLUMBING)
     meta = [{"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:TPU:0"}},
             {"ph": "M", "pid": 3, "tid": 1, "name": "thread_name", "args": {"name": "XLA Modules"}},
             {"ph": "M", "pid": 3, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}}]
