@@ -101,3 +101,24 @@ def test_the_profile_notes_quote_the_record():
                 for part, (prefixes, flops) in PARTS.items() if not part.startswith("linear"))
     assert (f"would take {median - saved:.3f} s instead of {median:.3f} s, MFU "
             f"{full['mfu'] * median / (median - saved):.2f}") in readme
+
+
+DOCS = HERE.parent.parent / "docs" / "benchmarks.md"
+DOC_ROWS = {"full_scan": ("scan_5b886db.json", "full_scan"), "lora_r16_scan": ("scan_4068b73.json", "lora_r16_scan"),
+            "full_scan, profiled": (PROFILE, "full_scan"), "lora_r16_scan, profiled": (PROFILE, "lora_r16_scan")}
+
+
+def test_docs_benchmarks_show_the_chips_records():
+    """docs/benchmarks.md's table of the command on the chip, and its profile, are the records'."""
+    doc = DOCS.read_text()
+    table = re.search(r"<!-- begin chip runs -->\n(.*?)<!-- end chip runs -->", doc, re.S)[1]
+    assert table.strip().splitlines()[2:] == [row(name, *where) for name, where in DOC_ROWS.items()]
+    profile = re.search(r"<!-- begin chip profile -->\n(.*?)<!-- end chip profile -->", doc, re.S)[1]
+    run = json.loads((HERE / PROFILE).read_text())["runs"]["full_scan"]
+    assert profile.strip().splitlines()[2:] == profile_rows(run)
+    compile_seconds = {name: json.loads((HERE / file).read_text())["runs"][run]["step_compile_seconds"]["xla_compile"]
+                       for name, (file, run) in DOC_ROWS.items()}
+    full = sorted(v for k, v in compile_seconds.items() if k.startswith("full"))
+    lora = sorted(v for k, v in compile_seconds.items() if k.startswith("lora"))
+    prose = " ".join(doc.split())
+    assert f"in {full[0]:.1f} to {full[-1]:.1f} s (full) and {lora[0]:.1f} to {lora[-1]:.1f} s (LoRA r16)" in prose
