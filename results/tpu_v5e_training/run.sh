@@ -13,6 +13,8 @@
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
 #   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
+#   "tunix_lora_r16": Tunix 0.1.7's own Qwen3 and PeftTrainer beside the kit's LoRA r16 command, in one process
+#   (tunix_side_by_side.py; its wheels carried in .whl-tunix/, installed without their dependencies)
 # On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
 #                      OUT=$(mktemp -d) bash results/tpu_v5e_training/run.sh COMMIT --cpu-check
 commit="${1:?give the commit the working tree is at}"
@@ -28,7 +30,7 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 export TUNIX_NB_COMPILE_CACHE="$work/jax_cache"  # a cold cache: the compile is measured, not read back
-folder_of() { case "$1" in full|lora_r16|full_scan|lora_r16_scan) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
+folder_of() { case "$1" in full|lora_r16|full_scan|lora_r16_scan|tunix_lora_r16) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
 for run in $runs; do  # each model's folder once, with random weights
     name="$(folder_of "$run")" || { echo "unknown run $run: choose from full lora_r16 full_scan lora_r16_scan llama_qlora_r16" >&2; exit 2; }
     preset="$qwen"; [ "$name" = llama ] && preset="$llama"
@@ -47,7 +49,18 @@ trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
         --seq-chunk 256 --learning-rate 1e-4)
+if [[ " $runs " == *" tunix_lora_r16 "* && "${2:-}" != "--cpu-check" ]]; then
+    pip_here --no-deps .whl-tunix/*.whl || echo "run.sh: could not install Tunix's wheels from .whl-tunix/"
+fi
 for run in $runs; do
+    if [ "$run" = tunix_lora_r16 ]; then  # not measure_command's record: the side-by-side's own
+        timeout "$((run_limit * 2 + 20))" python results/tpu_v5e_training/tunix_side_by_side.py --model "$work/qwen" \
+            --rows "$work/rows.jsonl" --out "$work/$run.json" --batch "$batch" --length "$length" --steps "$steps" \
+            > "$work/$run.out" 2>&1
+        echo "== $run: exit $?" > "$OUT/$run.log"
+        tail -c 4000 "$work/$run.out" | sed "s|$work|\$WORK|g" >> "$OUT/$run.log"
+        continue
+    fi
     case "$run" in
         full) extra=(--model "$work/qwen") ;;
         lora_r16) extra=(--model "$work/qwen" --lora-rank 16) ;;
