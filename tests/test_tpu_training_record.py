@@ -122,3 +122,18 @@ def test_docs_benchmarks_show_the_chips_records():
     lora = sorted(v for k, v in compile_seconds.items() if k.startswith("lora"))
     prose = " ".join(doc.split())
     assert f"in {full[0]:.1f} to {full[-1]:.1f} s (full) and {lora[0]:.1f} to {lora[-1]:.1f} s (LoRA r16)" in prose
+
+
+def test_the_tunix_check_is_quoted_from_its_record():
+    """The side-by-side's CPU check (Tunix itself is not installed in CI): the README's figures."""
+    record = json.loads((HERE / "tunix_cpu_check.json").read_text())
+    run = record["runs"]["tunix_lora_r16"]
+    tunix, kit = run["tunix"], run["kit"]
+    readme = " ".join((HERE / "README.md").read_text().split())
+    assert tunix["trained_params"] == kit["trained_params"]  # the same adapters on both sides
+    assert f"made from {record['commit'][:7]}): both sides train {tunix['trained_params']:,} adapter parameters" in readme
+    assert f"Tunix's step compiled {tunix['step_compiles']} times" in readme and tunix["mesh"] is True
+    first, second = tunix["warmup_call_seconds"][:2]
+    assert f"({first:.2f} s), its second compiled it again ({second:.2f} s)" in readme
+    assert (f"(step {run['kit_over_tunix_step']:.2f}, peak {run['kit_over_tunix_peak_memory']:.2f})") in readme
+    assert "/tmp/" not in (HERE / "tunix_cpu_check.json").read_text()

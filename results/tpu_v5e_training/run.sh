@@ -58,7 +58,7 @@ for run in $runs; do
             --rows "$work/rows.jsonl" --out "$work/$run.json" --batch "$batch" --length "$length" --steps "$steps" \
             > "$work/$run.out" 2>&1
         echo "== $run: exit $?" > "$OUT/$run.log"
-        tail -c 4000 "$work/$run.out" | sed "s|$work|\$WORK|g" >> "$OUT/$run.log"
+        tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"
         continue
     fi
     case "$run" in
@@ -71,7 +71,7 @@ for run in $runs; do
     timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" "${trace[@]}" -- "${common[@]}" "${extra[@]}" \
         > "$work/$run.out" 2>&1
     echo "== $run: exit $?" > "$OUT/$run.log"
-    tail -c 4000 "$work/$run.out" | sed "s|$work|\$WORK|g" >> "$OUT/$run.log"  # no machine path in a log
+    tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"  # no machine path in a log
 done
 python -c "
 import json, sys
