@@ -155,12 +155,15 @@ def kit_command(args) -> list[str]:
 
 
 def kit_optimizer(args):
-    """The optimizer the kit's command builds for `kit_command` (its warmup default included)."""
+    """The optimizer the kit's command builds for `kit_command`: its own resolution of the flags
+    (the warmup default included), as `cli.command` passes them to `train.make_optimizer`."""
     from tunix_nb import train
+    from tunix_nb.cli.run_config import config_from_argv
 
-    steps = args.steps + WARMUP + 1
-    return train.make_optimizer(train.OptimizerConfig(learning_rate=args.learning_rate,
-                                                      warmup_steps=min(20, steps // 10), total_steps=steps))
+    config = config_from_argv(kit_command(args))
+    return train.make_optimizer(train.OptimizerConfig(learning_rate=config.training.learning_rate,
+                                                      warmup_steps=config.training.warmup_steps,
+                                                      total_steps=config.steps))
 
 
 def main(argv=None) -> int:
