@@ -137,3 +137,26 @@ def test_the_tunix_check_is_quoted_from_its_record():
     assert f"({first:.2f} s), its second compiled it again ({second:.2f} s)" in readme
     assert (f"(step {run['kit_over_tunix_step']:.2f}, peak {run['kit_over_tunix_peak_memory']:.2f})") in readme
     assert "/tmp/" not in (HERE / "tunix_cpu_check.json").read_text()
+
+
+def test_the_tunix_chip_run_is_quoted_from_its_record():
+    """The side-by-side on the chip: the README's table and notes are the record's figures."""
+    record = json.loads((HERE / "tunix_7ebc29c.json").read_text())
+    run = record["runs"]["tunix_lora_r16"]
+    tunix, kit = run["tunix"], run["kit"]
+    readme = " ".join((HERE / "README.md").read_text().split())
+    assert run["device"]["kind"] == "TPU v5 lite" and run["versions"]["google-tunix"] == "0.1.7"
+    assert tunix["trained_params"] == kit["trained_params"]
+    assert f"both sides training {kit['trained_params']:,} adapter parameters" in readme
+    first, second = (c["seconds"] for c in tunix["xla_compiles"])
+    assert f"| step compiles | {tunix['step_compiles']} ({first:.1f} s, then {second:.1f} s) | 1 ({kit['compile_seconds']:.1f} s) |" in readme
+    assert (f"| step | {tunix['step_seconds']:.3f} s ({tunix['tokens_per_second']:,.0f} tokens/s) | "
+            f"{kit['step_seconds']:.3f} s ({kit['tokens_per_second']:,.0f} tokens/s) | {run['kit_over_tunix_step']:.2f} |") in readme
+    assert (f"| {tunix['xla_memory']['peak_bytes'] / 1e9:.2f} GB | {kit['xla_memory']['peak_bytes'] / 1e9:.2f} GB | "
+            f"{run['kit_over_tunix_peak_memory']:.2f} |") in readme
+    assert f"{kit['step_seconds'] - tunix['step_seconds']:.3f} s faster" in readme
+    warm = tunix["warmup_call_seconds"]
+    assert f"cache ({warm[0]:.2f} s), the second compiled it again ({warm[1]:.1f} s)" in readme
+    assert f"({tunix['loss']['first']:.2f} to {tunix['loss']['last']:.2f})" in readme
+    assert f"({kit['loss']['first']:.2f} to {kit['loss']['last']:.2f})" in readme
+    assert "/tmp/" not in (HERE / "tunix_7ebc29c.json").read_text()
