@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tunix_nb import fused_attention
+
 
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -66,8 +68,14 @@ class ModelConfig:
     # arithmetic (bit for bit on the CPU); passes with a key/value cache (decoding) stay a
     # loop. See `_scan_blocks`.
     scan_layers: bool = False
+    # "xla": `attend`'s einsums; "splash": Pallas's fused TPU kernel for the training pass
+    # where its shapes apply (`tunix_nb.fused_attention`; the same attention for real tokens).
+    # The command picks it with --attention auto on one TPU computing in bfloat16.
+    attention: str = "xla"
 
     def __post_init__(self):
+        if self.attention not in ("xla", "splash"):
+            raise ValueError(f"attention={self.attention!r}: use 'xla' or 'splash' ('auto' is the command's).")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -240,7 +248,13 @@ class Attention(nnx.Module):
             cache = {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at),
                      "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)}
             k, v = cache["k"], cache["v"]
-        mixed_BxLxHxD = attend(q, k, v, allowed_BxLxS)
+        if isinstance(allowed_BxLxS, SelfAttentionMask):  # a pass without a cache
+            if cfg.attention == "splash" and fused_attention.applies(q, k):
+                mixed_BxLxHxD = fused_attention.attend(q, k, v, allowed_BxLxS.segment_ids_BxL)
+            else:
+                mixed_BxLxHxD = attend(q, k, v, allowed_BxLxS.allowed_BxLxL)
+        else:
+            mixed_BxLxHxD = attend(q, k, v, allowed_BxLxS)
         return per_token(self.out, mixed_BxLxHxD.reshape(B, L, -1)), cache
 
 
@@ -337,6 +351,28 @@ def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool):
     return jax.lax.scan(body, x_BxLxD, stacked_states)[0]
 
 
+class SelfAttentionMask(NamedTuple):
+    """A pass without a cache says who sees whom twice: as the [B, L, L] matrix `attend` reads
+    and as the segment ids [B, L] (0 = padding) the fused kernel reads. XLA drops the unused one."""
+
+    allowed_BxLxL: jax.Array
+    segment_ids_BxL: jax.Array
+
+
+def real_segment_ids(shape_BxL, attention_mask_BxL=None, segment_ids_BxL=None):
+    """Segment ids [B, L] with padding 0: the given ones (one segment of 1s without), zeroed
+    where the attention mask is 0."""
+    if segment_ids_BxL is None:
+        segment_ids_BxL = jnp.ones(shape_BxL, jnp.int32) if attention_mask_BxL is None else attention_mask_BxL
+    segment_ids_BxL = jnp.asarray(segment_ids_BxL)
+    if segment_ids_BxL.shape != tuple(shape_BxL):
+        raise ValueError(f"segment_ids has shape {segment_ids_BxL.shape} but tokens have shape {tuple(shape_BxL)}; "
+                         "give one segment id per token (tunix_nb.packing builds them).")
+    if attention_mask_BxL is not None:
+        segment_ids_BxL = jnp.where(jnp.asarray(attention_mask_BxL) > 0, segment_ids_BxL, 0)
+    return segment_ids_BxL.astype(jnp.int32)
+
+
 def segment_attention(shape_BxL, attention_mask_BxL=None, segment_ids_BxL=None, positions_BxL=None):
     """(allowed [B, L, L], positions [B, L]) for rows that hold several examples.
 
@@ -346,14 +382,7 @@ def segment_attention(shape_BxL, attention_mask_BxL=None, segment_ids_BxL=None, 
     ids the attention mask is the one segment (1 = real token).
     """
     B, L = shape_BxL
-    if segment_ids_BxL is None:
-        segment_ids_BxL = jnp.ones((B, L), jnp.int32) if attention_mask_BxL is None else attention_mask_BxL
-    segment_ids_BxL = jnp.asarray(segment_ids_BxL)
-    if segment_ids_BxL.shape != (B, L):
-        raise ValueError(f"segment_ids has shape {segment_ids_BxL.shape} but tokens have shape {(B, L)}; "
-                         "give one segment id per token (tunix_nb.packing builds them).")
-    if attention_mask_BxL is not None:
-        segment_ids_BxL = jnp.where(jnp.asarray(attention_mask_BxL) > 0, segment_ids_BxL, 0)
+    segment_ids_BxL = real_segment_ids(shape_BxL, attention_mask_BxL, segment_ids_BxL)
     causal_LxL = jnp.tril(jnp.ones((L, L), bool))
     same_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
     allowed_BxLxL = causal_LxL[None] & same_BxLxL & (segment_ids_BxL > 0)[:, None, :]
@@ -407,7 +436,9 @@ class Transformer(nnx.Module):
         if segment_ids_BxL is not None or positions_BxL is not None:
             allowed_BxLxL, positions_BxL = segment_attention(
                 tokens_BxL.shape, attention_mask_BxL, segment_ids_BxL, positions_BxL)
-            return self._hidden(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
+            mask = SelfAttentionMask(allowed_BxLxL, real_segment_ids(tokens_BxL.shape, attention_mask_BxL,
+                                                                      segment_ids_BxL))
+            return self._hidden(tokens_BxL, positions_BxL, mask)[0]
         if attention_mask_BxL is None:
             attention_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
         real_BxL = attention_mask_BxL.astype(bool)
@@ -416,7 +447,8 @@ class Transformer(nnx.Module):
         L = tokens_BxL.shape[1]
         causal_LxL = jnp.tril(jnp.ones((L, L), bool))
         allowed_BxLxL = causal_LxL[None] & real_BxL[:, None, :]
-        return self._hidden(tokens_BxL, positions_BxL, allowed_BxLxL)[0]
+        mask = SelfAttentionMask(allowed_BxLxL, real_BxL.astype(jnp.int32))
+        return self._hidden(tokens_BxL, positions_BxL, mask)[0]
 
     def project(self, x_BxLxD):
         """The output head: hidden states [..., D] -> logits [..., V] float32 (tied embedding or lm_head)."""
@@ -587,6 +619,16 @@ def with_remat(graphdef, params, remat: bool = True):
     """The graphdef of the same model with rematerialisation on (or off): same params."""
     module = nnx.merge(graphdef, params)
     module.cfg = dataclasses.replace(module.cfg, remat=remat)
+    return nnx.split(module)[0]
+
+
+def with_attention(graphdef, params, attention: str):
+    """The graphdef of the same model whose attention layers run `attention` ("xla" or
+    "splash"; see ModelConfig.attention): same params. Each layer reads its own config."""
+    module = nnx.merge(graphdef, params)
+    for _, layer in nnx.iter_modules(module):
+        if isinstance(getattr(layer, "cfg", None), ModelConfig):
+            layer.cfg = dataclasses.replace(layer.cfg, attention=attention)
     return nnx.split(module)[0]
 
 

@@ -46,9 +46,10 @@ with open(sys.argv[1], 'w') as f:
         f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
 " "$work/rows.jsonl" "$length"
 trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
+seq_chunk=(--seq-chunk "${SEQ_CHUNK:-256}"); [ "${SEQ_CHUNK:-}" = none ] && seq_chunk=()  # none: all positions at once
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
-        --seq-chunk 256 --learning-rate 1e-4)
+        "${seq_chunk[@]}" --learning-rate 1e-4)
 if [[ " $runs " == *" tunix_lora_r16 "* && "${2:-}" != "--cpu-check" ]]; then
     pip_here --no-deps .whl-tunix/*.whl || echo "run.sh: could not install Tunix's wheels from .whl-tunix/"
 fi

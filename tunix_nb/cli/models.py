@@ -97,10 +97,14 @@ def build_model(config: RunConfig):
 
 
 def _with_layer_options(graphdef, params, training):
-    """The model with --remat and --scan-layers set in its config: how the blocks run, not
-    what they compute, so the parameters are untouched."""
+    """The model with --remat, --scan-layers and --attention set in its config: how the blocks
+    run, not what they compute, so the parameters are untouched."""
     from flax import nnx
 
+    from tunix_nb import model
+
+    if training.attention == "splash":  # "auto" was resolved by then: "xla" is every model's own
+        graphdef = model.with_attention(graphdef, params, "splash")
     if not (training.remat or training.scan_layers):
         return graphdef, params
     module = nnx.merge(graphdef, params)

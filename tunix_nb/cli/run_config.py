@@ -129,7 +129,8 @@ def resolve_config(args) -> RunConfig:
         print(f"--compute-dtype auto: {compute_dtype} ({chosen.reason})")
     if args.epochs is not None:
         _steps_from_epochs(args)
-    training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype)
+    training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype,
+                                      attention=resolve_attention(args, compute_dtype))
     dtype = param_dtype(args, model_dir, compute_dtype)
     lora_config, gkd_config, defaulted = LoRAConfig(), None, ()
     try:
@@ -152,6 +153,20 @@ def resolve_config(args) -> RunConfig:
                      lora=lora_config, gkd=gkd_config, model_dir=model_dir and str(model_dir),
                      model_sha256=model_sha256, data=data_config, data_sha256=data_hash(data_config.train_file),
                      memory=memory, defaulted=defaulted + (("dtype",) if args.dtype == "auto" else ()))
+
+
+def resolve_attention(args, compute_dtype: str) -> str:
+    """--attention, "auto" resolved (`fused_attention.choose`); said on stdout when it picks the kernel."""
+    from tunix_nb import fused_attention
+
+    try:
+        attention, why = fused_attention.choose(args.attention, compute_dtype=compute_dtype,
+                                                one_device=args.parallel == "jit")
+    except ValueError as err:
+        raise FlagError(f"--attention: {err}")
+    if args.attention == "auto" and attention == "splash":
+        print(f"--attention auto: splash ({why})")
+    return attention
 
 
 def param_dtype(args, model_dir, compute_dtype: str) -> str:

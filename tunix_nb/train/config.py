@@ -189,6 +189,11 @@ class TrainingConfig:
                                     "optimizer one leaf per stack, so the compile does not grow with the depth "
                                     "(the same update; a run may resume with or without it, its checkpoints "
                                     "convert; the exports keep one tree per block)")
+    attention: str = option("auto", choices=("auto", "xla", "splash"), run_defining=False,
+                            help="auto: Pallas's fused splash-attention kernel on one TPU computing in "
+                                 "bfloat16 (where the length is a multiple of 128 and heads of 128: "
+                                 "tunix_nb.fused_attention), XLA's einsums elsewhere; the same attention "
+                                 "for every real token (a run may resume with either)")
     compute_dtype: str = option("auto", choices=COMPUTE_DTYPES,
                                 help="auto: float32 on CPU, bfloat16 on TPU and on GPUs with native bfloat16 "
                                      "(compute capability 8.0 and up), float32 on older GPUs such as the T4 "
