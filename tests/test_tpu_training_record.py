@@ -160,3 +160,76 @@ def test_the_tunix_chip_run_is_quoted_from_its_record():
     assert f"({tunix['loss']['first']:.2f} to {tunix['loss']['last']:.2f})" in readme
     assert f"({kit['loss']['first']:.2f} to {kit['loss']['last']:.2f})" in readme
     assert "/tmp/" not in (HERE / "tunix_7ebc29c.json").read_text()
+
+
+BENCH = "attention_bench_b83fc32.json"
+# the command's step at each remedy, in the order they were applied: (label, record, attention, position chunks)
+REMEDY_RUNS = [("profile_4fd035d.json", "einsums", "256"), ("seq_chunk_none_b83fc32.json", "einsums", "all at once"),
+               ("splash_dc282f3.json", "splash (`--attention auto`)", "all at once")]
+
+
+def bench_rows(part: str) -> list[str]:
+    """attention_bench's table for `part` ("attention" or "loss"): each variant's forward and
+    backward, its useful TFLOP/s and the compiled program's peak."""
+    record = json.loads((HERE / BENCH).read_text())
+    return [f"| `{name}` | {1e3 * v['median_seconds']:.2f} | {v['useful_tflops']:.1f} | {v['peak_bytes'] / 1e9:.2f} |"
+            for name, v in record[part].items()]
+
+
+def remedy_rows() -> list[str]:
+    rows = []
+    for run in ("full_scan", "lora_r16_scan"):
+        for file, attention, positions in REMEDY_RUNS:
+            record = json.loads((HERE / file).read_text())
+            r = record["runs"][run]
+            rows.append(f"| {run} | {record['commit'][:7]} | {attention} | {positions} | {r['step_compiles']} "
+                        f"| {r['median_step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | {r['mfu']:.3f} "
+                        f"| {r['xla_memory']['peak_bytes'] / 1e9:.2f} | {r['loss']['first']:.4f} to {r['loss']['last']:.4f} |")
+    return rows
+
+
+def test_the_remedy_tables_are_the_records():
+    readme = (HERE / "README.md").read_text()
+    for marker, rows in (("attention bench", bench_rows("attention")), ("loss bench", bench_rows("loss")),
+                         ("remedies", remedy_rows())):
+        table = re.search(rf"<!-- begin {marker} -->\n(.*?)<!-- end {marker} -->", readme, re.S)[1]
+        assert table.strip().splitlines()[2:] == rows, marker
+    for file, _, positions in REMEDY_RUNS:
+        for run in json.loads((HERE / file).read_text())["runs"].values():
+            assert run["device"]["kind"] == "TPU v5 lite" and run["exit_code"] == 0
+            assert ("--seq-chunk" in run["command"]) == (positions != "all at once")
+    assert "/tmp/" not in (HERE / BENCH).read_text() and json.loads((HERE / BENCH).read_text())["device"] == "TPU v5 lite"
+
+
+def test_the_remedy_notes_quote_the_records():
+    readme = " ".join((HERE / "README.md").read_text().split())
+    runs = {file: json.loads((HERE / file).read_text())["runs"] for file, _, _ in REMEDY_RUNS}
+    splash, before = runs["splash_dc282f3.json"], runs["profile_4fd035d.json"]
+    tunix = json.loads((HERE / "tunix_7ebc29c.json").read_text())["runs"]["tunix_lora_r16"]["tunix"]
+    ratio = splash["lora_r16_scan"]["median_step_seconds"] / tunix["step_seconds"]
+    assert f"{splash['lora_r16_scan']['median_step_seconds']:.3f} s against Tunix's {tunix['step_seconds']:.3f} s: {ratio:.2f}" in readme
+    assert (f"MFU {before['full_scan']['mfu']:.3f} to {splash['full_scan']['mfu']:.3f} (full) and "
+            f"{before['lora_r16_scan']['mfu']:.3f} to {splash['lora_r16_scan']['mfu']:.3f} (LoRA r16)") in readme
+    bench = json.loads((HERE / BENCH).read_text())
+    kit, fused = bench["attention"]["kit"]["median_seconds"], bench["attention"]["splash_b512"]["median_seconds"]
+    assert f"{kit / fused:.2f} times as fast as the einsums" in readme
+    profile = splash["full_scan"]["profile"]["ops"]
+    kernels = sum(op["share"] for op in profile["top_ops"] if op["op"].startswith("splash_"))
+    assert f"the kernel's four programs are {100 * kernels:.1f}% of the op time" in readme
+    sources = {s["name"]: s["share"] for s in profile["by_source"]}
+    median = splash["full_scan"]["median_step_seconds"]
+    assert f"linear layers {sources['linear.py:Linear.__call__'] * median:.3f} s" in readme
+    assert f"the loss's chunks {sources['vocab_chunks.py:_chunk_logits'] * median:.3f} s" in readme
+
+
+def test_the_bench_notes_quote_the_records():
+    readme = " ".join((HERE / "README.md").read_text().split())
+    check = json.loads((HERE / "attention_check_cpu.json").read_text())["relative_distance_to_kit"]
+    assert "all within 1e-6 of it, `attention_check_cpu.json`" in readme and max(check.values()) < 1e-6
+    assert {"grouped_einsum", "xla_dpa", "splash_b128", "splash_mqa_b128"} <= set(check)
+    loss = {name: v["median_seconds"] for name, v in json.loads((HERE / BENCH).read_text())["loss"].items()}
+    peak = {name: v["peak_bytes"] for name, v in json.loads((HERE / BENCH).read_text())["loss"].items()}
+    chunked, vocab_only, full = loss["kit_chunks_8192_256"], loss["kit_chunks_8192"], loss["full_logits"]
+    assert f"cost {chunked - vocab_only:.3f} s of {chunked:.3f} s" in readme
+    assert f"runs at {100 * full / vocab_only:.0f}% of the full logits' speed" in readme
+    assert 0.08 < peak["kit_chunks_8192"] / peak["full_logits"] < 0.12  # "a tenth of their memory"

@@ -251,6 +251,12 @@ def check() -> dict:
     return distance
 
 
+def jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
@@ -260,7 +266,11 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     if args.check:
-        print(json.dumps(check(), indent=1))
+        record = {"script": "results/tpu_v5e_training/attention_bench.py --check", "jax": jax_version(),
+                  "relative_distance_to_kit": check()}
+        print(json.dumps(record, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(record, indent=1) + "\n")
         return 0
     import jax
 

@@ -12,6 +12,7 @@
 #   (the blocks as one scan: the compile against depth); "llama_qlora_r16" is Llama-3.2-1B with QLoRA
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
+#   SEQ_CHUNK=256 takes the loss's positions 256 at a time (--seq-chunk; default: all at once)
 #   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
 #   "tunix_lora_r16": Tunix 0.1.7's own Qwen3 and PeftTrainer beside the kit's LoRA r16 command, in one process
 #   (tunix_side_by_side.py; its wheels carried in .whl-tunix/, installed without their dependencies)
@@ -46,7 +47,8 @@ with open(sys.argv[1], 'w') as f:
         f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
 " "$work/rows.jsonl" "$length"
 trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
-seq_chunk=(--seq-chunk "${SEQ_CHUNK:-256}"); [ "${SEQ_CHUNK:-}" = none ] && seq_chunk=()  # none: all positions at once
+# the loss's positions all at once by default (faster on the chip: README "Remedies"); SEQ_CHUNK=256 as before b83fc32
+seq_chunk=(); [ -n "${SEQ_CHUNK:-}" ] && [ "$SEQ_CHUNK" != none ] && seq_chunk=(--seq-chunk "$SEQ_CHUNK")
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
         "${seq_chunk[@]}" --learning-rate 1e-4)
