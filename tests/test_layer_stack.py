@@ -208,3 +208,26 @@ def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_pa
     assert "blocks" in whole and compare.bitwise_equal(nnx.to_pure_dict(adapters), whole)
     start = nnx.to_pure_dict(lora.apply(graphdef, params, rank=4, alpha=8.0, seed=0)[1])
     assert compare.relative_distance(cut, whole, start) <= stack_bound(start)
+
+
+def test_a_run_saved_before_the_stack_resumes_in_either_layout(tmp_path):
+    """A checkpoint the command wrote before the layer stack (tests/fixtures/pre_stack_run, from
+    c8d2fab) resumes today: one tree per block, to the bits of today's uninterrupted run (the same
+    first two steps); stacked (--scan-layers, through the converter), within the stack's bound of
+    that run."""
+    import shutil
+
+    from tunix_nb import cli
+
+    stored = Path(__file__).parent / "fixtures" / "pre_stack_run"
+    assert not checkpoint.load_meta(stored).get("stacked_blocks")
+    base = ["sft", "--model", "tiny", "--batch-size", "8", "--steps", "4", "--save-every", "2",
+            "--compute-dtype", "float32"]
+    for name, flags in (("plain", []), ("stacked", ["--scan-layers"])):
+        shutil.copytree(stored, tmp_path / name)
+        assert cli.main([*base, "--ckpt-dir", str(tmp_path / name), *flags]) == 0
+    assert cli.main([*base, "--ckpt-dir", str(tmp_path / "whole")]) == 0
+    whole, plain, stacked = (checkpoint.load_params(tmp_path / name) for name in ("whole", "plain", "stacked"))
+    start = nnx.to_pure_dict(model.split(model.make_model("tiny", seed=0))[1])
+    assert compare.bitwise_equal(plain, whole)
+    assert compare.relative_distance(stacked, whole, start) <= stack_bound(start)
