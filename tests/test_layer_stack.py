@@ -231,3 +231,22 @@ def test_a_run_saved_before_the_stack_resumes_in_either_layout(tmp_path):
     start = nnx.to_pure_dict(model.split(model.make_model("tiny", seed=0))[1])
     assert compare.bitwise_equal(plain, whole)
     assert compare.relative_distance(stacked, whole, start) <= stack_bound(start)
+
+
+def test_the_shipped_checkpoints_start_a_stacked_run(tmp_path):
+    """data/'s checkpoints (one tree per block, written before the stack) start a --scan-layers
+    run: dpo's policy is data/sft_student's parameters bit for bit, and a stacked step runs from
+    them and saves a stacked checkpoint that reads back in the model's layout."""
+    from tunix_nb import cli
+    from tunix_nb.cli import models as cli_models
+
+    argv = ["dpo", "--steps", "1", "--batch-size", "4", "--scan-layers", "--compute-dtype", "float32"]
+    _, params, _ = cli_models.build_model(cli.config_from_argv(argv))
+    shipped = checkpoint.load_params(data.DATA_DIR / "sft_student")
+    assert compare.bitwise_equal(nnx.to_pure_dict(params), shipped)
+    assert cli.main([*argv, "--ckpt-dir", str(tmp_path / "run")]) == 0
+    assert checkpoint.load_meta(tmp_path / "run").get("stacked_blocks")
+    trained = checkpoint.load_params(tmp_path / "run")
+    def shapes(tree):  # by name: the shipped files' block keys read back as strings, a fresh save's as ints
+        return {model.param_name(path): x.shape for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    assert shapes(trained) == shapes(shipped) and compare.max_abs_diff(trained, shipped) > 0
