@@ -60,8 +60,9 @@ def test_the_traced_steps_say_where_the_time_goes(record):
     profile = record["profile"]
     if jax.default_backend() == "cpu":  # a CPU's trace has no device line of whole programs
         assert profile["programs"] is None and profile["traced_steps"] == 2
-    else:  # the step programs the device ran in the window, which a small step's async dispatch shifts
-        assert profile["traced_steps"] == profile["programs"]["runs"] >= 1
+    else:  # the steps' worth of the step's program the device ran in the window (its edges cut runs)
+        runs = profile["programs"]["run_seconds"]
+        assert profile["traced_steps"] == pytest.approx(sum(runs) / max(runs)) and 0 < profile["traced_steps"] <= len(runs)
     assert profile["ops"]["traced_seconds"] > 0
     assert sum(k["share"] for k in profile["ops"]["by_kind"]) == pytest.approx(1)
     assert "matmul" in {k["name"] for k in profile["ops"]["by_kind"]}

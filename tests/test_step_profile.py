@@ -79,3 +79,21 @@ def test_a_real_step_traced_on_this_machine():
     sources = {s["name"] for s in profile["by_source"]}
     assert "model.py:attend" in sources
     assert step_profile.lines_summary(events)[0]["seconds"] > 0
+
+
+def test_the_ops_divide_by_the_steps_worth_the_window_holds(tmp_path):
+    """measure_command's profile: where the trace window cuts the first step's program to half,
+    the ops' seconds divide by the 2.5 steps' worth it holds, not by the 3 runs it saw."""
+    import gzip
+    import json
+
+    from tunix_nb import measure_command
+
+    hlo = looped_matmul()
+    events = tpu_like_trace(hlo)
+    first = next(e for e in events if e.get("name") == "jit_step(81)" and e["ts"] == 0)
+    first["dur"] = 50
+    (tmp_path / "host.trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    profile = measure_command.step_profile_of(tmp_path, hlo, traced_steps=3)
+    assert profile["traced_steps"] == pytest.approx(2.5) and profile["programs"]["runs"] == 3
+    assert profile["ops"]["traced_seconds"] == pytest.approx(3 * 80e-6 / 2.5)

@@ -192,14 +192,35 @@ def xla_analysis(step_fn, args) -> dict:
             "seconds": time.perf_counter() - started, "hlo_text": compiled.as_text()}
 
 
+@contextlib.contextmanager
+def compile_log():
+    """A `CompileLog` of JAX's compiles (its log and its monitoring events) while the block runs;
+    JAX's settings as they were afterwards."""
+    import jax
+
+    log, jax_logger, was_logging = CompileLog(), logging.getLogger("jax"), jax.config.jax_log_compiles
+    jax_logger.addHandler(log)
+    jax_logger.propagate = False
+    jax.monitoring.register_event_listener(log.on_event)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield log
+    finally:
+        jax.config.update("jax_log_compiles", was_logging)
+        jax_logger.removeHandler(log)
+        jax_logger.propagate = True
+        jax.monitoring.unregister_event_listener(log.on_event)
+
+
 def step_profile_of(trace_dir, hlo_text: str, traced_steps: int) -> dict:
     """The traced steps' ops (per step) and the device's idle time between steps."""
     from tunix_nb import step_profile
 
     events = step_profile.trace_events(trace_dir)
     gaps = step_profile.program_gaps(events, "jit_step")
-    # the device's own count of step runs where its trace has one; else the steps asked for
-    calls = gaps["runs"] if gaps else traced_steps
+    # where the device has a line of whole programs: the steps' worth it ran in the window (the
+    # first and last runs may be cut by the window's edges, so not their count); else the steps asked for
+    calls = sum(gaps["run_seconds"]) / max(gaps["run_seconds"]) if gaps else traced_steps
     return {"traced_steps": calls, "ops": step_profile.summarise(events, hlo_text, calls=calls),
             "programs": gaps, "trace_lines": step_profile.lines_summary(events)}
 
@@ -209,22 +230,14 @@ def measure(command_argv: list[str], *, trace_steps: int = 0, trace_dir: str | N
     `trace_steps`, a profile of that many steps after the warm-up (kept in `trace_dir` if given)."""
     import tempfile
 
-    import jax
-
     from tunix_nb import cli
 
     if flag_value(command_argv, "--parallel", "jit") != "jit":
         raise ValueError("measure_command times one device: run the command with --parallel jit (the default).")
     config = model_config_of(command_argv)
     scratch = tempfile.TemporaryDirectory()
-    compiles, recorder = CompileLog(), RunRecorder(trace_steps, trace_dir or scratch.name)
-    jax_logger = logging.getLogger("jax")
-    jax_logger.addHandler(compiles)
-    jax_logger.propagate = False
-    jax.monitoring.register_event_listener(compiles.on_event)
-    was_logging = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
-    try:
+    recorder = RunRecorder(trace_steps, trace_dir or scratch.name)
+    with compile_log() as compiles, scratch:
         with recorder.patched():
             started = time.perf_counter()
             code = cli.main(command_argv)
@@ -238,12 +251,6 @@ def measure(command_argv: list[str], *, trace_steps: int = 0, trace_dir: str | N
         xla["persistent_cache_hit"] = compiles.cache_hits > hits_before
         compiles.records = compiles.records[:run_records]
         profile = step_profile_of(recorder.trace_dir, xla.pop("hlo_text"), trace_steps) if trace_steps else None
-    finally:
-        scratch.cleanup()
-        jax.config.update("jax_log_compiles", was_logging)
-        jax_logger.removeHandler(compiles)
-        jax_logger.propagate = True
-        jax.monitoring.unregister_event_listener(compiles.on_event)
     return {**summary(command_argv, config, recorder, compiles, xla, wall), "profile": profile}
 
 

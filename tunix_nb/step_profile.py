@@ -121,8 +121,9 @@ def hlo_index(hlo_text: str) -> HloIndex:
     return index
 
 
-def op_seconds(events, index: HloIndex, calls: int) -> Counter:
-    """Seconds per call of each traced op that is an instruction of the program."""
+def op_seconds(events, index: HloIndex, calls: float) -> Counter:
+    """Seconds per call of each traced op that is an instruction of the program (`calls` may be
+    a fraction: the calls' worth of time the trace window holds)."""
     seconds = Counter()
     for event in events:
         name = str(event.get("name", "")).lstrip("%")
@@ -131,7 +132,7 @@ def op_seconds(events, index: HloIndex, calls: int) -> Counter:
     return seconds
 
 
-def summarise(events, hlo_text: str, *, calls: int, top: int = 10) -> dict:
+def summarise(events, hlo_text: str, *, calls: float, top: int = 10) -> dict:
     """The traced ops of `calls` calls of one program, per call: by kind, by the function they
     come from, and the slowest ops. Containers' own time is left out (their body's ops count)."""
     index = hlo_index(hlo_text)

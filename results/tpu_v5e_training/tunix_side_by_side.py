@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import logging
 import json
 import sys
 import time
@@ -35,25 +34,6 @@ from pathlib import Path
 
 WARMUP = 2
 TUNIX_WARMUP_CALLS = 3  # its second call compiled the step again on a CPU: the third shows it settled
-
-
-@contextlib.contextmanager
-def compile_log():
-    """JAX's compile log while the block runs, read by measure_command's CompileLog."""
-    import jax
-
-    from tunix_nb.measure_command import CompileLog
-
-    log, jax_logger, was = CompileLog(), logging.getLogger("jax"), jax.config.jax_log_compiles
-    jax_logger.addHandler(log)
-    jax_logger.propagate = False
-    jax.config.update("jax_log_compiles", True)
-    try:
-        yield log
-    finally:
-        jax.config.update("jax_log_compiles", was)
-        jax_logger.removeHandler(log)
-        jax_logger.propagate = True
 
 
 def tunix_config(model_dir: Path, *, remat: str, flash: bool, length: int):
@@ -115,6 +95,7 @@ def _time_tunix(args, optimizer, mesh) -> dict:
     from flax import nnx
     from tunix.sft import peft_trainer
 
+    from tunix_nb import measure_command
     from tunix_nb.memory_plan.analysis import memory_of
 
     trainer, config = tunix_trainer(args, optimizer, mesh)
@@ -122,7 +103,7 @@ def _time_tunix(args, optimizer, mesh) -> dict:
     batch = peft_trainer.TrainingInput(input_tokens=jax.numpy.asarray(tokens),
                                        input_mask=jax.numpy.ones(tokens.shape, bool))
     train_step, _ = trainer.jit_train_and_eval_step()
-    with compile_log() as log:
+    with measure_command.compile_log() as log:
         started = time.perf_counter()
         compiled = train_step.func.lower(*train_step.args, batch).compile()
         compile_seconds = time.perf_counter() - started
