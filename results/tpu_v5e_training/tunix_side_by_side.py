@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import gc
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -131,7 +132,7 @@ def _time_tunix(args, optimizer, mesh) -> dict:
 def kit_command(args) -> list[str]:
     return ["sft", "--model", str(args.model), "--train-file", str(args.rows), "--max-length", str(args.length + 1),
             "--batch-size", str(args.batch), "--steps", str(args.steps + WARMUP + 1), "--remat",
-            "--compute-dtype", "bfloat16", "--vocab-chunk", "auto", "--seq-chunk", str(min(256, args.length)),
+            "--compute-dtype", "bfloat16", "--vocab-chunk", "auto", *args.kit_flags,
             "--learning-rate", str(args.learning_rate), "--lora-rank", str(args.rank), "--scan-layers"]
 
 
@@ -159,6 +160,10 @@ def main(argv=None) -> int:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--remat", choices=("block", "none"), default="block")
     parser.add_argument("--flash", action="store_true", help="Tunix's splash-attention kernel (a TPU's)")
+    parser.add_argument("--kit-flags", type=shlex.split, default=[],
+                        help="more flags for the kit's command, one string: --kit-flags='--seq-chunk 256' as "
+                             "7ebc29c's run (since, the loss's positions go at once, and --attention auto "
+                             "picks splash on the chip)")
     parser.add_argument("--no-mesh", dest="mesh", action="store_false",
                         help="Tunix without the mesh its CLI trains in (its step then compiles twice)")
     args = parser.parse_args(argv)
