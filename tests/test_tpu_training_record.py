@@ -245,3 +245,12 @@ def test_docs_benchmarks_quote_the_remedies():
     attention = json.loads((HERE / BENCH).read_text())["attention"]
     ratio = attention["kit"]["median_seconds"] / attention["splash_b512"]["median_seconds"]
     assert f"(splash, {ratio:.2f} times as fast as the einsums for one layer)" in prose
+
+
+def test_the_cli_doc_quotes_the_attention_remedy():
+    """docs/cli.md's --attention row: the full step's MFU before and after the kernel, both with
+    the loss's positions at once."""
+    doc = " ".join((HERE.parent.parent / "docs" / "cli.md").read_text().split())
+    before = json.loads((HERE / "seq_chunk_none_b83fc32.json").read_text())["runs"]["full_scan"]["mfu"]
+    after = json.loads((HERE / "splash_dc282f3.json").read_text())["runs"]["full_scan"]["mfu"]
+    assert f"it took the step from MFU {before:.3f} to {after:.3f}" in doc
