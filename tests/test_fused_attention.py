@@ -123,3 +123,19 @@ def test_a_model_with_the_kernel_gives_the_einsums_logits_and_gradients():
 def test_the_model_refuses_an_unknown_attention():
     with pytest.raises(ValueError, match="attention='auto': use 'xla' or 'splash'"):
         model.ModelConfig(attention="auto")
+
+
+def test_a_plan_for_a_tpu_traces_the_compiled_kernel_on_any_backend(monkeypatch):
+    """Under `lowering_for("tpu")` (a memory plan compiling a chip's step ahead of time) the
+    kernel is traced for Mosaic, not for Pallas's interpreter, whatever this process's backend;
+    outside it, the backend decides."""
+    traced = []
+    kernel = fused_attention._kernel
+    monkeypatch.setattr(fused_attention, "_kernel",
+                        lambda length, heads, interpret: traced.append(interpret) or kernel(length, heads, True))
+    q, k, v = qkv(batch=1, length=128)
+    segments = jnp.ones((1, 128), jnp.int32)
+    with fused_attention.lowering_for("tpu"):  # a new function each time: JAX caches a function's trace
+        jax.eval_shape(lambda *x: fused_attention.attend(*x), q, k, v, segments)
+    jax.eval_shape(lambda *x: fused_attention.attend(*x), q, k, v, segments)
+    assert traced == [False, jax.default_backend() != "tpu"]

@@ -133,7 +133,7 @@ def compile_seconds(n_layers: int, use_lora: bool = False) -> float:
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "attention_mask": jnp.ones_like(tokens),
              "loss_mask": jnp.ones((4, 64), jnp.float32)}
     opt = optimizer()
-    lowered = train.make_step(method.objective, opt).lower(method.params, opt.init(method.params), batch, frozen)
+    lowered = train.make_step(method.objective, opt).lower(method.params, opt.init(method.params), batch, method.frozen)
     start = time.perf_counter()
     lowered.compile()
     return time.perf_counter() - start
@@ -250,3 +250,29 @@ def test_the_shipped_checkpoints_start_a_stacked_run(tmp_path):
     def shapes(tree):  # by name: the shipped files' block keys read back as strings, a fresh save's as ints
         return {model.param_name(path): x.shape for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
     assert shapes(trained) == shapes(shipped) and compare.max_abs_diff(trained, shipped) > 0
+
+
+def test_a_lora_base_is_handed_over_stacked_and_the_merged_export_reads_it(tmp_path):
+    """--scan-layers with LoRA stacks the frozen base too, freeing its per-block arrays: one tree
+    per block, the model's scan would stack a copy of the whole base inside every step (1.69 GB of
+    the chip's temporaries at Qwen3-0.6B's shapes: results/tpu_v5e_training/base_stack_plan.json).
+    The merged export (--export-params) is then the run's adapters merged into the checkpoint's
+    base, bit for bit, as `lora.merge` gives it from the Hugging Face folder."""
+    from tunix_nb import cli, hf
+
+    graphdef, params = student(preset="tiny")
+    graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
+    a_base_block = jax.tree.leaves(nnx.to_pure_dict(base)["blocks"][0])[0]
+    method = stack_layers(Method(graphdef, adapters, {}, lora.objective(sft.objective(graphdef)),
+                                 frozen=lora.frozen(base)))
+    assert layer_stack.is_stacked(method.frozen["base"]) and layer_stack.is_stacked(method.params)
+    assert a_base_block.is_deleted()
+
+    assert cli.main(["sft", "--model", QWEN3, "--batch-size", "8", "--steps", "2", "--lora-rank", "4",
+                     "--scan-layers", "--parallel", "jit", "--compute-dtype", "float32",
+                     "--ckpt-dir", str(tmp_path / "run"), "--export-params", str(tmp_path / "merged")]) == 0
+    graphdef, params, _ = hf.load_pretrained(QWEN3, dtype="float32")
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=4.0, seed=0)  # the default alpha: the rank
+    nnx.replace_by_pure_dict(adapters, checkpoint.load_params(tmp_path / "run"))
+    merged = nnx.to_pure_dict(lora.merge(lora_graphdef, adapters, base, alpha=4.0)[1])
+    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "merged"), merged)

@@ -134,3 +134,14 @@ def test_the_chip_figure_is_model_flops_over_the_step_time_and_the_peak():
     assert fig["model_flops_per_step"] == flops and fig["chip"] == "TPU v5e"
     assert fig["value"] == pytest.approx(flops / fig["step_seconds"] / 197e12)  # the median of 3 calls
     assert fig["xla_flops_per_step"] > flops  # and the elementwise ops, AdamW's update
+
+
+def test_the_chip_model_takes_the_commands_remedies():
+    """The real-size model the mfu group times on a chip runs as the command runs it there: its
+    blocks as one scan under remat, with the splash kernel a TPU gets from --attention auto (the
+    einsums elsewhere); 4 of its 28 layers with --quick."""
+    from tunix_nb.bench import mfu as group
+
+    on_tpu, on_cpu = group.chip_config(quick=False, backend="tpu"), group.chip_config(quick=True, backend="cpu")
+    assert (on_tpu.n_layers, on_tpu.scan_layers, on_tpu.remat, on_tpu.attention) == (28, True, True, "splash")
+    assert (on_cpu.n_layers, on_cpu.attention) == (4, "xla")

@@ -23,6 +23,8 @@ runs in Pallas's interpreter, for tests.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -68,6 +70,21 @@ def choose(requested: str, *, compute_dtype: str | None, one_device: bool, backe
     return "splash", "a TPU computing in bfloat16 on one device"
 
 
+_lowering_platform = contextvars.ContextVar("lowering_platform", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Trace the kernel for `platform` ("tpu": compiled; else Pallas's interpreter) rather than for
+    this process's backend: a memory plan lowers a TPU's step on a CPU (`tunix_nb.memory_plan`).
+    JAX caches a function's trace: one traced before, outside this block, is not traced again."""
+    token = _lowering_platform.set(platform)
+    try:
+        yield
+    finally:
+        _lowering_platform.reset(token)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(length: int, heads: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -93,7 +110,7 @@ def attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL):
     # the kernel does not scale the scores; [H, L, D] per example
     q_BxHxLxD = jnp.swapaxes(q_BxLxHxD / jnp.sqrt(D).astype(q_BxLxHxD.dtype), 1, 2)
     k_BxHxLxD, v_BxHxLxD = (jnp.swapaxes(jnp.repeat(x, group, axis=2), 1, 2) for x in (k_BxLxKxD, v_BxLxKxD))
-    kernel = _kernel(L, H, jax.default_backend() != "tpu")
+    kernel = _kernel(L, H, (_lowering_platform.get() or jax.default_backend()) != "tpu")
     ids = jax.vmap(lambda s: splash.SegmentIds(q=s, kv=s))(segment_ids_BxL.astype(jnp.int32))
     out_BxHxLxD = jax.vmap(kernel)(q_BxHxLxD, k_BxHxLxD, v_BxHxLxD, segment_ids=ids)
     return jnp.swapaxes(out_BxHxLxD, 1, 2)

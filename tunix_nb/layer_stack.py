@@ -18,6 +18,7 @@ host, no device copy), the exports, and a resume in the other layout (`convert`)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -109,15 +110,67 @@ def abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def objective(objective_fn, params_like: nnx.State):
+def objective(objective_fn, params_like: nnx.State, base_like: nnx.State | None = None):
     """`objective_fn(params, batch, frozen)` taking the stacked trainable parameters: the blocks
-    are sliced back out into `params_like`'s State before the model sees them."""
+    are sliced back out into `params_like`'s State before the model sees them. With `base_like`,
+    LoRA's frozen base (`frozen["base"]`) comes stacked too and is sliced back out the same way."""
     like = abstract(params_like)
+    base = None if base_like is None else abstract(base_like)
 
     def on_stacked(stacked, batch, frozen=None):
+        if base is not None:
+            frozen = {**frozen, "base": into_state(frozen["base"], base)}
         return objective_fn(into_state(stacked, like), batch, frozen)
 
     return on_stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a step trains on stacked blocks: the trainable parameters' structure in the model's own
+    layout (`params_like`) and, under LoRA, the frozen base's (`base_like`; None: the base, if
+    any, stays one tree per block). Both abstract: nothing is held."""
+
+    params_like: object
+    base_like: object = None
+
+    def objective(self, objective_fn):
+        return objective(objective_fn, self.params_like, self.base_like)
+
+    def unstack(self, stacked) -> nnx.State:
+        return into_state(stacked, self.params_like)
+
+    def base(self, stacked_base) -> nnx.State:
+        return into_state(stacked_base, self.base_like)
+
+
+def _stackable(tree) -> bool:
+    try:
+        jax.eval_shape(lambda t: stack(t), abstract(tree))
+        return True
+    except ValueError:
+        return False
+
+
+def layout(params, frozen=None) -> Layout:
+    """The `Layout` of a step on `params` (and LoRA's `frozen`, `lora.frozen(base)`) stacked. The
+    base is stacked as well where it can be: one tree per block, the model's scan would stack
+    it inside every step, a copy of the whole base among the step's temporaries (a bfloat16 base
+    is not cast on its way in, so no cast absorbs the copy). Raises ValueError where the trainable
+    blocks differ."""
+    like = abstract(params)
+    jax.eval_shape(stack, like)  # nothing computed: can the blocks be stacked?
+    base = frozen.get("base") if isinstance(frozen, dict) else None
+    return Layout(like, abstract(base) if base is not None and _stackable(base) else None)
+
+
+def stack_state(params, frozen, layout_: Layout, *, delete_blocks: bool = False):
+    """(params, frozen) in `layout_`: the trainable blocks stacked, and the base where the layout
+    stacks it. `delete_blocks` as for `stack`."""
+    params = stack(params, delete_blocks=delete_blocks)
+    if layout_.base_like is not None:
+        frozen = {**frozen, "base": stack(frozen["base"], delete_blocks=delete_blocks)}
+    return params, frozen
 
 
 def convert(tree, like):

@@ -14,6 +14,8 @@
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
 #   SEQ_CHUNK=256 takes the loss's positions 256 at a time (--seq-chunk; default: all at once)
 #   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
+#   "fit_or_oom": the largest batch that fits, by running the command from the plan's answer outwards
+#   (fit_or_oom.py; the plan: largest_batch_plan.json); its record is $OUT/fit_or_oom.json
 #   "tunix_lora_r16": Tunix 0.1.7's own Qwen3 and PeftTrainer beside the kit's LoRA r16 command, in one process
 #   (tunix_side_by_side.py; its wheels carried in .whl-tunix/, installed without their dependencies)
 # On a CPU, to check it end to end (tiny preset for every run, 2 x 64 tokens, 4 steps, no installs):
@@ -31,9 +33,9 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 export TUNIX_NB_COMPILE_CACHE="$work/jax_cache"  # a cold cache: the compile is measured, not read back
-folder_of() { case "$1" in full|lora_r16|full_scan|lora_r16_scan|tunix_lora_r16) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
+folder_of() { case "$1" in full|lora_r16|full_scan|lora_r16_scan|tunix_lora_r16|fit_or_oom) echo qwen ;; llama_qlora_r16) echo llama ;; *) return 1 ;; esac; }
 for run in $runs; do  # each model's folder once, with random weights
-    name="$(folder_of "$run")" || { echo "unknown run $run: choose from full lora_r16 full_scan lora_r16_scan llama_qlora_r16" >&2; exit 2; }
+    name="$(folder_of "$run")" || { echo "unknown run $run: choose from full lora_r16 full_scan lora_r16_scan llama_qlora_r16 tunix_lora_r16 fit_or_oom" >&2; exit 2; }
     preset="$qwen"; [ "$name" = llama ] && preset="$llama"
     [ -d "$work/$name" ] || python -m tunix_nb.random_checkpoint --preset "$preset" --out "$work/$name" || exit 1
 done
@@ -43,7 +45,7 @@ import json, random, sys
 words = 'the a of to in is on at by for with from model step chip token batch layer'.split()
 rng = random.Random(0)
 with open(sys.argv[1], 'w') as f:
-    for _ in range(64):
+    for _ in range(256):  # more rows than the largest batch fit_or_oom tries
         f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
 " "$work/rows.jsonl" "$length"
 trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
@@ -60,6 +62,15 @@ for run in $runs; do
         timeout "$((run_limit * 2 + 20))" python results/tpu_v5e_training/tunix_side_by_side.py --model "$work/qwen" \
             --rows "$work/rows.jsonl" --out "$work/$run.json" --batch "$batch" --length "$length" --steps "$steps" \
             > "$work/$run.out" 2>&1
+        echo "== $run: exit $?" > "$OUT/$run.log"
+        tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"
+        continue
+    fi
+    if [ "$run" = fit_or_oom ]; then  # the largest batch by running, from the plan's (largest_batch_plan.json)
+        grid=(); [ "${2:-}" = "--cpu-check" ] && grid=(--grid 2,4)
+        timeout 560 python results/tpu_v5e_training/fit_or_oom.py --model "$work/qwen" --rows "$work/rows.jsonl" \
+            --plan results/tpu_v5e_training/largest_batch_plan.json --length "$length" --out "$OUT/fit_or_oom.json" \
+            "${grid[@]}" > "$work/$run.out" 2>&1
         echo "== $run: exit $?" > "$OUT/$run.log"
         tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"
         continue

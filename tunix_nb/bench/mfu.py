@@ -2,9 +2,11 @@
 pass against the forward, and the backward-pass fix (`model.per_token`) against the model before it.
 
 On a chip in `tunix_nb.mfu.PEAK_FLOPS` (a TPU, an A100, ...), `train_step_mfu` is a real-size
-model's instead: the memory plan's step at Qwen3-0.6B's shapes (8 x 1024 tokens, bfloat16
-compute, remat, donation, vocabulary chunks of 8192; 4 of its 28 layers with --quick), random
-weights made on the chip, its model FLOPs (`tunix_nb.mfu`) over the chip's bfloat16 peak. The
+model's instead: the training command's step at Qwen3-0.6B's shapes with the remedies measured
+on a v5e (results/tpu_v5e_training/README.md: 8 x 1024 tokens, bfloat16 compute, remat,
+donation, the blocks as one scan, vocabulary chunks of 8192 with every position at once, and
+the attention --attention auto picks: splash on a TPU; 4 of its 28 layers with --quick),
+random weights made on the chip, its model FLOPs (`tunix_nb.mfu`) over the chip's bfloat16 peak. The
 small model's figure against a measured float32 matmul peak means nothing there (issue 47:
 0.100 on a v5e); it stays as the CPU's figure, and as a detail on a chip."""
 
@@ -36,14 +38,18 @@ def measure(*, quick: bool, repeats: int) -> dict:
     return figures
 
 
-def chip_config(quick: bool):
-    """Qwen3-0.6B's ModelConfig with per-block remat (4 layers with --quick)."""
+def chip_config(quick: bool, backend: str | None = None):
+    """Qwen3-0.6B's ModelConfig with per-block remat, its blocks as one scan, and the attention the
+    command's --attention auto picks on `backend` (JAX's by default) for one device in bfloat16
+    (4 layers with --quick)."""
     import dataclasses
 
-    from tunix_nb import hf, random_checkpoint
+    from tunix_nb import fused_attention, hf, random_checkpoint
 
     config = hf.model_config(random_checkpoint.preset_config(CHIP_MODEL.lower()))
-    return dataclasses.replace(config, remat=True, n_layers=CHIP_QUICK_LAYERS if quick else config.n_layers)
+    attention, _ = fused_attention.choose("auto", compute_dtype="bfloat16", one_device=True, backend=backend)
+    return dataclasses.replace(config, remat=True, scan_layers=True, attention=attention,
+                               n_layers=CHIP_QUICK_LAYERS if quick else config.n_layers)
 
 
 def bench_mfu_on_chip(peak, repeats: int, *, quick: bool, config=None, batch: int = CHIP_BATCH,
@@ -66,7 +72,7 @@ def bench_mfu_on_chip(peak, repeats: int, *, quick: bool, config=None, batch: in
     tokens = np.random.default_rng(0).integers(3, config.vocab_size, (batch, seq_len + 1)).astype(np.int32)
     rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),
             "attention_mask": np.ones((batch, seq_len), np.int32)}
-    objective = sft.objective(graphdef, compute_dtype=jnp.bfloat16, vocab_chunk=8192, seq_chunk=256)
+    objective = sft.objective(graphdef, compute_dtype=jnp.bfloat16, vocab_chunk=8192)
     started = time.perf_counter()
     step = train.make_step(objective, optimizer, donate=True).lower(*state, rows).compile()
     compile_seconds = time.perf_counter() - started
@@ -85,7 +91,8 @@ def bench_mfu_on_chip(peak, repeats: int, *, quick: bool, config=None, batch: in
                         xla_flops_utilisation=float(xla_flops / np.median(seconds) / peak.flops_per_second),
                         model={"name": CHIP_MODEL, "n_layers": config.n_layers, "params": model.count_params(state[0]),
                                "batch": batch, "seq_len": seq_len, "compute_dtype": "bfloat16", "remat": config.remat,
-                               "vocab_chunk": 8192, "seq_chunk": 256},
+                               "scan_layers": config.scan_layers, "attention": config.attention,
+                               "vocab_chunk": 8192, "seq_chunk": None},
                         small_model_against_measured_matmul_peak=small_model,
                         note="model FLOPs (tunix_nb.mfu: 6N + attention) / step time / the chip's bfloat16 peak")
 

@@ -54,26 +54,28 @@ class Method:
 def stack_layers(method: Method) -> Method:
     """--scan-layers: train the blocks' parameters stacked on a layer axis (`layer_stack`), so that
     the optimizer's program, and with it the compile, does not grow with the depth. The params
-    are handed over (the per-block arrays freed as they are stacked); the objectives slice the
-    blocks back out; `unstack` gives the exports the model's own layout. On-policy methods, whose
-    sampling runs the blocks one by one, and blocks that differ keep one tree per block."""
-    from tunix_nb import layer_stack
+    are handed over (the per-block arrays freed as they are stacked), and so is a LoRA base, which
+    the step would otherwise stack anew every step; the objectives slice the blocks back out;
+    `unstack` gives the exports the model's own layout. On-policy methods, whose sampling runs the
+    blocks one by one, and blocks that differ keep one tree per block."""
+    from tunix_nb import layer_stack, lora
 
     if method.make_rollout is not None:
         return method
-    import jax
-
-    like = layer_stack.abstract(method.params)
     try:
-        jax.eval_shape(layer_stack.stack, like)  # nothing computed: can the blocks be stacked?
+        stacked = layer_stack.layout(method.params, method.frozen)
     except ValueError as err:
         print_once(f"--scan-layers: {err} The state stays one tree per block.")
         return method
-    method.params = layer_stack.stack(method.params, delete_blocks=True)
-    method.objective = layer_stack.objective(method.objective, like)
+    method.params, method.frozen = layer_stack.stack_state(method.params, method.frozen, stacked, delete_blocks=True)
+    method.objective = stacked.objective(method.objective)
     if method.eval_objective is not None:
-        method.eval_objective = layer_stack.objective(method.eval_objective, like)
-    method.unstack = lambda stacked: layer_stack.into_state(stacked, like)
+        method.eval_objective = stacked.objective(method.eval_objective)
+    method.unstack = stacked.unstack
+    if stacked.base_like is not None:  # the base's blocks were freed: the export merges into the stack's
+        # slices, of the base as placed for the step (read at the export: placing may replace it)
+        graphdef, alpha = method.graphdef, method.lora_alpha
+        method.exportable = lambda params: lora.merge(graphdef, params, stacked.base(method.frozen["base"]), alpha=alpha)
     return method
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tunix_nb import hf, lora, sft, train
+from tunix_nb import fused_attention, hf, layer_stack, lora, sft, train
 from tunix_nb.memory_plan import targets
 from tunix_nb.memory_plan.config import PlanConfig
 
@@ -43,7 +43,8 @@ def kit_config(hf_config: dict, cfg: PlanConfig):
     """The kit's ModelConfig at the plan's depth, with per-block remat and the layers'
     compute dtype as the plan says."""
     model_cfg = hf.model_config(hf_config, dtype="float32" if cfg.float32_activations else cfg.compute_dtype)
-    return dataclasses.replace(model_cfg, remat=cfg.remat, n_layers=cfg.n_layers or model_cfg.n_layers)
+    return dataclasses.replace(model_cfg, remat=cfg.remat, n_layers=cfg.n_layers or model_cfg.n_layers,
+                               scan_layers=cfg.scan_layers, attention=cfg.attention)
 
 
 def _cast_abstract(tree, dtype: str):
@@ -88,6 +89,10 @@ def abstract_step(hf_config: dict, cfg: PlanConfig, *, parallel_mode: str = "jit
         lora_graphdef, trained, base = _abstract_lora(graphdef, _cast_abstract(params, cfg.base_dtype), cfg)
         objective = lora.objective(sft.objective(lora_graphdef, compute_dtype=cfg.compute_dtype, **options))
         frozen = lora.frozen(base)
+    if cfg.scan_layers:  # as the command's --scan-layers: `cli.methods.stack_layers`
+        stacked = layer_stack.layout(trained, frozen)
+        trained, frozen = jax.eval_shape(lambda t, f: layer_stack.stack_state(t, f, stacked), trained, frozen)
+        objective = stacked.objective(objective)
     optimizer = train.make_optimizer()
     opt_state = jax.eval_shape(optimizer.init, trained)
     batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
@@ -174,7 +179,8 @@ def analyse(model, cfg: PlanConfig, target: str = "cpu") -> dict:
     parallel_mode = "fsdp" if mesh.size > 1 else "jit"
     step, args, details = abstract_step(hf_config, cfg, parallel_mode=parallel_mode, mesh=mesh)
     started = time.perf_counter()
-    compiled = lower(step, args, mesh, parallel_mode).compile()
+    with fused_attention.lowering_for("cpu" if target == "cpu" else "tpu"):
+        compiled = lower(step, args, mesh, parallel_mode).compile()
     model_cfg = kit_config(hf_config, cfg)
     return {**memory_of(compiled), "compile_seconds": time.perf_counter() - started, "devices": mesh.size,
             "parallel_mode": parallel_mode, "n_layers": model_cfg.n_layers, **details,

@@ -23,7 +23,9 @@ class PlanConfig:
     with bfloat16 params every activation after the embedding was float32 (built here as
     `ModelConfig.dtype="float32"`, which computes the same). False builds the model with
     `ModelConfig.dtype=compute_dtype`, so every layer computes in it, as the default config
-    (`dtype=None`, following the params) now does too.
+    (`dtype=None`, following the params) now does too. `scan_layers` plans the step of the
+    command's --scan-layers (the trained blocks, and a LoRA base, stacked: `layer_stack`);
+    `attention` is the model's ("splash": the command's --attention on one TPU chip).
     """
 
     strategy: str = "lora"
@@ -38,8 +40,13 @@ class PlanConfig:
     seq_chunk: int | None = None
     n_layers: int | None = None
     float32_activations: bool = False
+    scan_layers: bool = False
+    attention: str = "xla"
 
     def __post_init__(self):
+        if self.attention not in ("xla", "splash"):
+            raise ValueError(f"PlanConfig.attention={self.attention!r}; choose 'xla' or 'splash' (the model's, "
+                             "tunix_nb.fused_attention: a TPU's kernel).")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"PlanConfig.strategy={self.strategy!r}; choose one of {STRATEGIES}.")
         for name in ("compute_dtype", "base_dtype"):
