@@ -254,3 +254,108 @@ def test_the_cli_doc_quotes_the_attention_remedy():
     before = json.loads((HERE / "seq_chunk_none_b83fc32.json").read_text())["runs"]["full_scan"]["mfu"]
     after = json.loads((HERE / "splash_dc282f3.json").read_text())["runs"]["full_scan"]["mfu"]
     assert f"it took the step from MFU {before:.3f} to {after:.3f}" in doc
+
+
+BASE_STACK = "base_stack_plan.json"
+LARGEST = "largest_batch_plan.json"
+GB = 1e9
+
+
+def base_stack_rows() -> list[str]:
+    rows = json.loads((HERE / BASE_STACK).read_text())["rows"]
+    return [f"| {name.split('/')[0]} | {name.split('/')[1].replace('_', ' ')} | {r['argument_bytes'] / GB:.2f} "
+            f"| {r['temp_bytes'] / GB:.2f} | {r['total_bytes'] / GB:.2f} |" for name, r in rows.items()]
+
+
+def largest_rows() -> list[str]:
+    record = json.loads((HERE / LARGEST).read_text())
+    return [f"| {strategy} | {batch} | {t['held_bytes'] / 2**30:.2f} | {t['temp_bytes'] / 2**30:.2f} "
+            f"| {'fits' if t['fits'] else 'does not fit'} |"
+            for strategy, r in record.items() for batch, t in r["tried"].items()]
+
+
+def table_of(readme: str, name: str) -> list[str]:
+    return re.search(rf"<!-- begin {name} -->\n(.*?)<!-- end {name} -->", readme, re.S)[1].strip().splitlines()[2:]
+
+
+def test_the_base_stack_and_largest_batch_tables_are_the_records():
+    readme = (HERE / "README.md").read_text()
+    assert table_of(readme, "base stack") == base_stack_rows()
+    assert table_of(readme, "largest batch plan") == largest_rows()
+
+
+def test_the_plan_of_the_scanned_lora_step_is_the_chips_own():
+    """The plan's step with the base one tree per block and splash attention is the step the chip
+    ran in splash_dc282f3.json: the same argument bytes, temporaries within 0.01% (libtpu's build
+    on the chip is the machine's own); stacking the base saves at least the base's bytes."""
+    plan = json.loads((HERE / BASE_STACK).read_text())
+    chip = json.loads((HERE / "splash_dc282f3.json").read_text())["runs"]["lora_r16_scan"]["xla_memory"]
+    per_block, stacked = plan["rows"]["splash/per_block"], plan["rows"]["splash/stacked"]
+    assert per_block["argument_bytes"] == chip["argument_bytes"]
+    assert abs(per_block["temp_bytes"] - chip["temp_bytes"]) <= 1e-4 * chip["temp_bytes"]
+    base_bytes = 28 * 2 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072)  # the blocks' bf16 kernels
+    for attention in ("splash", "xla"):
+        assert plan["temp_saved_bytes"][attention] >= base_bytes
+    assert stacked["temp_bytes"] < per_block["temp_bytes"] / 2
+
+
+def test_the_plans_largest_batch_is_where_its_bytes_cross_the_chips():
+    """Per strategy: the largest batch the plan compiled as fitting, and the next grid point it
+    tried does not; every verdict is its bytes against the usable HBM, and the bytes grow with the
+    batch."""
+    from tunix_nb.memory_plan.largest_batch import BATCH_GRID, USABLE_BYTES
+
+    for strategy, record in json.loads((HERE / LARGEST).read_text()).items():
+        tried = {int(b): t for b, t in record["tried"].items()}
+        largest = record["largest_batch"]
+        assert tried[largest]["fits"] and not tried[BATCH_GRID[BATCH_GRID.index(largest) + 1]]["fits"], strategy
+        assert all(t["fits"] == (t["held_bytes"] <= USABLE_BYTES["v5e"]) for t in tried.values())
+        held = [tried[b]["held_bytes"] for b in sorted(tried)]
+        assert held == sorted(held) and record["config"]["scan_layers"] and record["config"]["attention"] == "splash"
+
+
+def test_the_chip_finds_the_plans_largest_batch_within_one_grid_step():
+    """Issue 47, item 7: the largest batch that ran on the chip (fit_or_oom.py, RUNS=fit_or_oom in
+    run.sh) against the plan's, for LoRA and full fine-tuning."""
+    import pytest
+
+    records = sorted(HERE.glob("fit_or_oom_*.json"))
+    if not records:
+        pytest.skip("no chip record yet: RUNS=fit_or_oom bash results/tpu_v5e_training/run.sh COMMIT")
+    plan = json.loads((HERE / LARGEST).read_text())
+    chip = json.loads(records[-1].read_text())["strategies"]
+    for strategy in ("lora", "full"):
+        assert chip[strategy]["plan_largest_batch"] == plan[strategy]["largest_batch"]
+        assert chip[strategy]["agrees"] and chip[strategy]["grid_steps_apart"] <= 1, chip[strategy]
+
+
+def test_the_base_stack_and_largest_batch_notes_quote_the_records():
+    readme = (HERE / "README.md").read_text()
+    notes = readme[readme.index("## The LoRA base stacked once"):]
+    plan = json.loads((HERE / BASE_STACK).read_text())
+    chip = json.loads((HERE / "splash_dc282f3.json").read_text())["runs"]["lora_r16_scan"]["xla_memory"]
+    apart_kb = (chip["temp_bytes"] - plan["rows"]["splash/per_block"]["temp_bytes"]) / 1e3
+    kernels = 28 * 2 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072)
+    assert f"temporaries {apart_kb:.0f} KB apart" in notes
+    assert f"saves {plan['temp_saved_bytes']['splash'] / GB:.2f} GB" in notes and f"{kernels / GB:.2f} GB of bfloat16" in notes
+    largest = json.loads((HERE / LARGEST).read_text())
+    lora, full = largest["lora"], largest["full"]
+    assert f"LoRA r16 {lora['largest_batch']}, full fine-tuning {full['largest_batch']}" in notes
+    margin = (full["usable_bytes"] - full["tried"][str(full["largest_batch"])]["held_bytes"]) / 2**30
+    assert f"({margin:.2f} GiB under the line" in notes
+    for name, r in (("LoRA", lora), ("full fine-tuning", full)):
+        b = r["largest_batch"]
+        per_row = (r["tried"][str(b + 8)]["held_bytes"] - r["tried"][str(b)]["held_bytes"]) / 8 / 2**30
+        assert f"{per_row:.2f} GiB with {name}" in notes
+
+
+def test_docs_benchmarks_quote_the_plans_largest_batch_and_base_stack():
+    doc = DOCS.read_text()
+    saved = json.loads((HERE / BASE_STACK).read_text())["temp_saved_bytes"]["splash"]
+    largest = json.loads((HERE / LARGEST).read_text())
+    assert f"holds {saved / GB:.2f} GB fewer" in doc
+    lesson = json.loads((HERE.parent.parent / "notebooks" / "09_hf_checkpoints.ipynb").read_text())
+    prose = "".join("".join(c["source"]) for c in lesson["cells"] if c["cell_type"] == "markdown")
+    assert f"that step holds {saved / GB:.2f} GB fewer temporaries" in prose
+    assert (f"{largest['lora']['largest_batch']} rows of 1024 tokens for LoRA r16 and "
+            f"{largest['full']['largest_batch']} for full fine-tuning") in doc
