@@ -22,12 +22,12 @@ def up_to(limit):
     return fits, calls
 
 
-@pytest.mark.parametrize("limit, expected", [(44, 40), (8, 8), (7, None), (128, 128), (1000, 128), (63, 56)])
+@pytest.mark.parametrize("limit, expected", [(44, 40), (8, 8), (7, None), (256, 256), (1000, 256), (63, 56)])
 def test_bisection_finds_the_largest_grid_point_that_fits(limit, expected):
     fits, calls = up_to(limit)
     largest, tried = largest_on_grid(fits, BATCH_GRID)
     assert largest == expected
-    assert len(calls) == len(set(calls)) <= 5  # 16 grid points: log2, each batch compiled once
+    assert len(calls) == len(set(calls)) <= 6  # 32 grid points: log2 + 1, each batch compiled once
     assert all(tried[b][0] == (b <= limit) for b in calls)
 
 
@@ -36,7 +36,7 @@ def test_bisection_finds_the_largest_grid_point_that_fits(limit, expected):
     (24, 44, 40, [24, 32, 40, 48]),      # too little: up until it runs out
     (40, 44, 40, [40, 48]),              # the same answer: two runs
     (8, 7, None, [8]),                   # not even the smallest
-    (120, 500, 128, [120, 128]),         # the grid's end
+    (248, 500, 256, [248, 256]),         # the grid's end
 ])
 def test_from_a_start_the_search_walks_one_grid_step_at_a_time(start, limit, expected, walked):
     fits, calls = up_to(limit)
@@ -44,9 +44,10 @@ def test_from_a_start_the_search_walks_one_grid_step_at_a_time(start, limit, exp
     assert (largest, calls) == (expected, walked)
 
 
-def test_the_plan_counts_the_programs_code_and_takes_the_compilers_refusal(monkeypatch):
-    """A batch fits by the plan when XLA's total plus the program's code stays within the usable
-    bytes; the TPU compiler's RESOURCE_EXHAUSTED is a "does not fit", any other error is raised."""
+def test_the_plan_counts_the_peak_and_the_programs_code_and_takes_the_compilers_refusal(monkeypatch):
+    """A batch fits by the plan when XLA's peak plus the program's code stays within the usable
+    bytes, whatever the total (arguments + outputs + temporaries, not all live at once); the TPU
+    compiler's RESOURCE_EXHAUSTED is a "does not fit", any other error is raised."""
     from tunix_nb.memory_plan import analysis, config
 
     usable = largest_batch.USABLE_BYTES["v5e"]
@@ -56,9 +57,9 @@ def test_the_plan_counts_the_programs_code_and_takes_the_compilers_refusal(monke
             raise ValueError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 17G of 15.75G hbm.")
         if cfg.batch_size == 32:
             raise ValueError("some other failure")
-        total = {8: usable - 100, 16: usable - 99}[cfg.batch_size]
-        return {"argument_bytes": 1, "output_bytes": 1, "temp_bytes": 1, "alias_bytes": 0, "total_bytes": total,
-                "generated_code_bytes": 100, "compile_seconds": 0.1}
+        peak = {8: usable - 100, 16: usable - 99}[cfg.batch_size]
+        return {"argument_bytes": 1, "output_bytes": 1, "temp_bytes": 1, "alias_bytes": 0, "total_bytes": 2 * usable,
+                "peak_bytes": peak, "generated_code_bytes": 100, "compile_seconds": 0.1}
 
     monkeypatch.setattr(analysis, "analyse", analyse)
     fits = largest_batch.plan_fits("Qwen3-0.6B", config.PlanConfig(), "v5e")

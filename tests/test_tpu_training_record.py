@@ -267,11 +267,31 @@ def base_stack_rows() -> list[str]:
             f"| {r['temp_bytes'] / GB:.2f} | {r['total_bytes'] / GB:.2f} |" for name, r in rows.items()]
 
 
+PROBES = "fit_probes_7f5c452.json"
+
+
 def largest_rows() -> list[str]:
     record = json.loads((HERE / LARGEST).read_text())
-    return [f"| {strategy} | {batch} | {t['held_bytes'] / 2**30:.2f} | {t['temp_bytes'] / 2**30:.2f} "
-            f"| {'fits' if t['fits'] else 'does not fit'} |"
-            for strategy, r in record.items() for batch, t in r["tried"].items()]
+
+    def verdict(t):
+        if t["fits"]:
+            return f"{t['peak_bytes'] / 2**30:.2f} | {t['held_bytes'] / 2**30:.2f} | fits"
+        refused = re.search(r"HLO temporaries \(([\d.]+G)\)", t["refused"])[1]
+        return f"| | refused: temporaries {refused}"
+
+    return [f"| {strategy} | {batch} | {verdict(t)} |" for strategy, r in record.items()
+            for batch, t in r["tried"].items()]
+
+
+def probe_rows() -> list[str]:
+    plan = json.loads((HERE / LARGEST).read_text())
+    rows = []
+    for name, r in json.loads((HERE / PROBES).read_text())["probes"].items():
+        strategy, batch = name.split("_")
+        memory, planned = r["xla_memory"], plan[strategy]["tried"].get(batch, {}).get("peak_bytes")
+        rows.append(f"| {strategy} | {batch} | ran | {memory['peak_bytes'] / 2**30:.2f} | {memory['total_bytes'] / 2**30:.2f} "
+                    f"| {'' if planned is None else f'{planned / 2**30:.2f}'} | {r['mfu']:.3f} |")
+    return rows
 
 
 def table_of(readme: str, name: str) -> list[str]:
@@ -282,6 +302,26 @@ def test_the_base_stack_and_largest_batch_tables_are_the_records():
     readme = (HERE / "README.md").read_text()
     assert table_of(readme, "base stack") == base_stack_rows()
     assert table_of(readme, "largest batch plan") == largest_rows()
+    assert table_of(readme, "largest batch chip") == probe_rows()
+
+
+def test_the_plans_peak_is_the_chips_where_both_compiled_a_batch():
+    """Every batch the chip ran fits by the plan's peak (the plan compiled it, or a larger batch it
+    says fits); where the plan compiled the same batch, its peak is the chip's within 0.001% and
+    its temporaries within 0.01%."""
+    plan = json.loads((HERE / LARGEST).read_text())
+    probes = json.loads((HERE / PROBES).read_text())
+    compared = 0
+    for name, r in probes["probes"].items():
+        strategy, batch = name.split("_")
+        assert int(batch) <= plan[strategy]["largest_batch"], name
+        planned = plan[strategy]["tried"].get(batch)
+        if planned:
+            compared += 1
+            assert abs(planned["peak_bytes"] - r["xla_memory"]["peak_bytes"]) <= 1e-5 * planned["peak_bytes"]
+            assert abs(planned["temp_bytes"] - r["xla_memory"]["temp_bytes"]) <= 1e-4 * planned["temp_bytes"]
+    assert compared == 2  # LoRA at 128, full fine-tuning at 64: each strategy's largest
+    assert all(int(b) <= plan["lora"]["largest_batch"] for b in probes["search_exits"]["lora"])
 
 
 def test_the_plan_of_the_scanned_lora_step_is_the_chips_own():
@@ -301,16 +341,19 @@ def test_the_plan_of_the_scanned_lora_step_is_the_chips_own():
 
 def test_the_plans_largest_batch_is_where_its_bytes_cross_the_chips():
     """Per strategy: the largest batch the plan compiled as fitting, and the next grid point it
-    tried does not; every verdict is its bytes against the usable HBM, and the bytes grow with the
-    batch."""
+    tried does not; a fit is its peak plus code within the usable HBM, growing with the batch;
+    the others the TPU compiler refused."""
     from tunix_nb.memory_plan.largest_batch import BATCH_GRID, USABLE_BYTES
 
     for strategy, record in json.loads((HERE / LARGEST).read_text()).items():
         tried = {int(b): t for b, t in record["tried"].items()}
         largest = record["largest_batch"]
         assert tried[largest]["fits"] and not tried[BATCH_GRID[BATCH_GRID.index(largest) + 1]]["fits"], strategy
-        assert all(t["fits"] == (t["held_bytes"] <= USABLE_BYTES["v5e"]) for t in tried.values())
-        held = [tried[b]["held_bytes"] for b in sorted(tried)]
+        fitting = [t for _, t in sorted(tried.items()) if t["fits"]]
+        assert all(t["held_bytes"] == t["peak_bytes"] + t["generated_code_bytes"] <= USABLE_BYTES["v5e"]
+                   for t in fitting)
+        assert all("RESOURCE_EXHAUSTED" in t["refused"] for t in tried.values() if not t["fits"])
+        held = [t["held_bytes"] for t in fitting]
         assert held == sorted(held) and record["config"]["scan_layers"] and record["config"]["attention"] == "splash"
 
 
@@ -339,14 +382,21 @@ def test_the_base_stack_and_largest_batch_notes_quote_the_records():
     assert f"temporaries {apart_kb:.0f} KB apart" in notes
     assert f"saves {plan['temp_saved_bytes']['splash'] / GB:.2f} GB" in notes and f"{kernels / GB:.2f} GB of bfloat16" in notes
     largest = json.loads((HERE / LARGEST).read_text())
-    lora, full = largest["lora"], largest["full"]
-    assert f"LoRA r16 {lora['largest_batch']}, full fine-tuning {full['largest_batch']}" in notes
-    margin = (full["usable_bytes"] - full["tried"][str(full["largest_batch"])]["held_bytes"]) / 2**30
-    assert f"({margin:.2f} GiB under the line" in notes
-    for name, r in (("LoRA", lora), ("full fine-tuning", full)):
-        b = r["largest_batch"]
-        per_row = (r["tried"][str(b + 8)]["held_bytes"] - r["tried"][str(b)]["held_bytes"]) / 8 / 2**30
-        assert f"{per_row:.2f} GiB with {name}" in notes
+    assert f"**LoRA r16 {largest['lora']['largest_batch']}, full fine-tuning {largest['full']['largest_batch']}**" in notes
+    probes = json.loads((HERE / PROBES).read_text())["probes"]
+    full_64 = probes["full_64"]["xla_memory"]
+    assert f"total of {full_64['total_bytes'] / 2**30:.2f} GiB and a peak of {full_64['peak_bytes'] / 2**30:.2f} GiB" in notes
+    peaks_apart = max(abs(largest[s]["tried"][b]["peak_bytes"] - probes[f"{s}_{b}"]["xla_memory"]["peak_bytes"])
+                      for s, b in (("lora", "128"), ("full", "64")))
+    assert f"the chip's to {peaks_apart / 1e3:.1f} KB" in notes
+    temps_apart = sorted(abs(largest[s]["tried"][b]["temp_bytes"] - probes[f"{s}_{b}"]["xla_memory"]["temp_bytes"])
+                         for s, b in (("lora", "128"), ("full", "64")))
+    assert temps_apart[0] == 0 and f"temporaries are the chip's to {temps_apart[1] / 1e3:.0f} KB or to the byte" in notes
+    at_8 = json.loads((HERE / "splash_dc282f3.json").read_text())["runs"]
+    assert (f"{probes['full_40']['mfu']:.3f} at 40 and {probes['full_64']['mfu']:.3f} at 64 for full fine-tuning "
+            f"({at_8['full_scan']['mfu']:.3f} at 8") in " ".join(notes.split())
+    assert (f"{probes['lora_128']['mfu']:.3f} at 128 for LoRA ({at_8['lora_r16_scan']['mfu']:.3f} at 8)"
+            in " ".join(notes.split()))
 
 
 def test_docs_benchmarks_quote_the_plans_largest_batch_and_base_stack():

@@ -34,7 +34,7 @@ def command(args, strategy: str, batch) -> list[str]:
             "--vocab-chunk", "auto", "--scan-layers", "--learning-rate", "1e-4", *STRATEGY_FLAGS[strategy]]
 
 
-def runs_fit(args, strategy: str, work: Path):
+def runs_fit(args, strategy: str, work: Path, on_probe=lambda batch, result: None):
     """fits(batch) -> (bool, details): the command at that batch, run to its end or out of memory.
     Any other failure stops the search with the command's output."""
 
@@ -46,12 +46,14 @@ def runs_fit(args, strategy: str, work: Path):
         print(f"{strategy} batch {batch}: exit {done.returncode}", flush=True)
         if done.returncode == 0 and out.is_file():
             run = json.loads(out.read_text())
-            return True, {key: run.get(key) for key in ("xla_memory", "median_step_seconds", "tokens_per_second", "mfu")}
-        found = OUT_OF_MEMORY.search(text)
-        if found is None:
+            result = True, {key: run.get(key) for key in ("xla_memory", "median_step_seconds", "tokens_per_second", "mfu")}
+        elif OUT_OF_MEMORY.search(text):
+            line = next(line for line in text.splitlines() if OUT_OF_MEMORY.search(line))
+            result = False, {"out_of_memory": line.strip()[:400]}
+        else:
             raise RuntimeError(f"{strategy} at batch {batch} failed, not for memory:\n{text[-3000:]}")
-        line = next(line for line in text.splitlines() if OUT_OF_MEMORY.search(line))
-        return False, {"out_of_memory": line.strip()[:400]}
+        on_probe(batch, result)
+        return result
 
     return fits
 
@@ -70,12 +72,19 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", default="lora,full")
     args = parser.parse_args(argv)
     plan = json.loads(args.plan.read_text())
-    record = {"script": "results/tpu_v5e_training/fit_or_oom.py", "grid": list(args.grid), "strategies": {}}
+    record = {"script": "results/tpu_v5e_training/fit_or_oom.py", "grid": list(args.grid), "strategies": {},
+              "probes": {}}
+
+    def save(strategy, batch, result):  # after every run: a search cut short still leaves what it found
+        record["probes"][f"{strategy}_{batch}"] = {"fits": result[0], **result[1]}
+        args.out.write_text(json.dumps(record, indent=2).replace(str(args.model.parent), "$WORK") + "\n")
+
     with tempfile.TemporaryDirectory() as work:
         for strategy in args.strategies.split(","):
             planned = plan[strategy]["largest_batch"]
             start = planned if planned in args.grid else min(args.grid)
-            largest, tried = largest_on_grid(runs_fit(args, strategy, Path(work)), args.grid, start=start)
+            fits = runs_fit(args, strategy, Path(work), on_probe=lambda b, r, s=strategy: save(s, b, r))
+            largest, tried = largest_on_grid(fits, args.grid, start=start)
             steps_apart = None if largest is None or planned not in args.grid else \
                 abs(args.grid.index(largest) - args.grid.index(planned))
             record["strategies"][strategy] = {

@@ -68,11 +68,11 @@ for run in $runs; do
     fi
     if [ "$run" = fit_or_oom ]; then  # the largest batch by running, from the plan's (largest_batch_plan.json)
         grid=(); [ "${2:-}" = "--cpu-check" ] && grid=(--grid 2,4)
-        timeout 560 python results/tpu_v5e_training/fit_or_oom.py --model "$work/qwen" --rows "$work/rows.jsonl" \
-            --plan results/tpu_v5e_training/largest_batch_plan.json --length "$length" --out "$OUT/fit_or_oom.json" \
-            "${grid[@]}" > "$work/$run.out" 2>&1
-        echo "== $run: exit $?" > "$OUT/$run.log"
-        tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"
+        # within a 10-minute call after the setup and the weights (7f5c452's first try ran past it and
+        # returned nothing); the record is written after every run, the log as it goes
+        PYTHONUNBUFFERED=1 timeout 420 python results/tpu_v5e_training/fit_or_oom.py --model "$work/qwen" \
+            --rows "$work/rows.jsonl" --plan results/tpu_v5e_training/largest_batch_plan.json --length "$length" \
+            --out "$OUT/fit_or_oom.json" "${grid[@]}" 2>&1 | sed -e "s|$work|\$WORK|g" > "$OUT/$run.log"
         continue
     fi
     case "$run" in
