@@ -256,9 +256,25 @@ def test_the_command_says_which_dtype_auto_chose(tmp_path, capsys):
     from tunix_nb import cli
 
     assert cli.main(["sft", "--steps", "1", "--batch-size", "4", "--metrics-file", str(tmp_path / "m.jsonl")]) == 0
+    # on a chip the suite runs under the agreement policy (conftest.py), which "auto" follows
     chosen = {"cpu": "float32 (CPUs have no fast bfloat16 matmul)",
-              "tpu": "bfloat16 (tpu has native bfloat16 matmuls)"}[jax.default_backend()]
+              "tpu": "float32 (precision.set_auto_compute_dtype chose it for this process)"}[jax.default_backend()]
     assert f"--compute-dtype auto: {chosen}" in capsys.readouterr().out
+
+
+def test_the_commands_auto_follows_the_processs_precision_policy(capsys):
+    """`precision.set_auto_compute_dtype` (a lesson of checks sets float32) holds for the command
+    run in the same process, as for `precision.resolve_compute_dtype`; reset, the backend decides."""
+    from tunix_nb import cli, precision
+
+    previous = precision.set_auto_compute_dtype("bfloat16")
+    try:
+        assert cli.config_from_argv(["sft"]).training.compute_dtype == "bfloat16"
+        assert "--compute-dtype auto: bfloat16 (precision.set_auto_compute_dtype" in capsys.readouterr().out
+        precision.set_auto_compute_dtype(None)
+        assert cli.config_from_argv(["sft"]).training.compute_dtype == devices.defaults_for().compute_dtype
+    finally:
+        precision.set_auto_compute_dtype(previous)
 
 
 @pytest.mark.parametrize("hint_env, quick_compile, user_value, expected", [

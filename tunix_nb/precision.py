@@ -29,6 +29,15 @@ def set_auto_compute_dtype(compute_dtype=None):
     return previous
 
 
+def auto_compute_dtype() -> tuple[str, str]:
+    """(what "auto" stands for, why): `set_auto_compute_dtype`'s choice where one is set (a
+    lesson of checks, in-process), else the backend's default (`devices.defaults_for`)."""
+    if _auto_override is not None:
+        return _auto_override, "precision.set_auto_compute_dtype chose it for this process"
+    chosen = devices.defaults_for()
+    return chosen.compute_dtype, chosen.reason
+
+
 def resolve_compute_dtype(compute_dtype="auto"):
     """"auto": the backend's default (`devices.defaults_for`: bfloat16 on TPU and bf16-capable
     GPUs, float32 = None on CPU and older GPUs), unless `set_auto_compute_dtype` chose one."""

@@ -114,7 +114,7 @@ def config_from_argv(argv) -> RunConfig:
 
 def resolve_config(args) -> RunConfig:
     """The run's config from the flags: the model, the checkpoints it starts from, the defaults."""
-    from tunix_nb import devices
+    from tunix_nb import precision
 
     method = config_flags.from_args(METHOD_CONFIGS[args.command], args)
     model_name, model_dir, model_sha256 = resolve_model(args.model, args.revision)
@@ -123,10 +123,9 @@ def resolve_config(args) -> RunConfig:
         model_name = model_name or _preset_of(method.init_from)
     model_name = model_name or "student"
     compute_dtype = args.compute_dtype
-    if compute_dtype == "auto":
-        chosen = devices.defaults_for()
-        compute_dtype = chosen.compute_dtype
-        print(f"--compute-dtype auto: {compute_dtype} ({chosen.reason})")
+    if compute_dtype == "auto":  # as `precision.resolve_compute_dtype` reads it: a policy set in-process holds
+        compute_dtype, reason = precision.auto_compute_dtype()
+        print(f"--compute-dtype auto: {compute_dtype} ({reason})")
     if args.epochs is not None:
         _steps_from_epochs(args)
     training = config_flags.from_args(TrainingConfig, args, compute_dtype=compute_dtype,
