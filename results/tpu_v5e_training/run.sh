@@ -80,7 +80,8 @@ for run in $runs; do
         lora_r16) extra=(--model "$work/qwen" --lora-rank 16) ;;
         full_scan) extra=(--model "$work/qwen" --scan-layers) ;;
         lora_r16_scan) extra=(--model "$work/qwen" --lora-rank 16 --scan-layers) ;;
-        llama_qlora_r16) extra=(--model "$work/llama" --lora-rank 16 --quantize nf4) ;;
+        # its blocks as one scan, as the Qwen runs since 4068b73: largest_batch_plan.json's "qlora" row plans this step
+        llama_qlora_r16) extra=(--model "$work/llama" --lora-rank 16 --quantize nf4 --scan-layers) ;;
     esac
     timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" "${trace[@]}" -- "${common[@]}" "${extra[@]}" \
         > "$work/$run.out" 2>&1
