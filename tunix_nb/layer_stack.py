@@ -146,7 +146,7 @@ class Layout:
 
 def _stackable(tree) -> bool:
     try:
-        jax.eval_shape(lambda t: stack(t), abstract(tree))
+        jax.eval_shape(stack, abstract(tree))
         return True
     except ValueError:
         return False

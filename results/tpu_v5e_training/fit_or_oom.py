@@ -25,7 +25,7 @@ from pathlib import Path
 from tunix_nb.memory_plan.largest_batch import BATCH_GRID, largest_on_grid
 
 STRATEGY_FLAGS = {"full": [], "lora": ["--lora-rank", "16"]}
-OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|out of memory|Ran out of memory", re.IGNORECASE)
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|out of memory", re.IGNORECASE)
 
 
 def command(args, strategy: str, batch) -> list[str]:
