@@ -54,6 +54,9 @@ seq_chunk=(); [ -n "${SEQ_CHUNK:-}" ] && [ "$SEQ_CHUNK" != none ] && seq_chunk=(
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
         "${seq_chunk[@]}" --learning-rate 1e-4)
+# no machine path in a log: the work folder as $WORK, the checkout's relative, and JAX's warning
+# about hugepages (it names where the machine's JAX lives) dropped with its next line
+clean=(-e "s|$work|\$WORK|g" -e "s|$PWD/||g" -e '/cloud_tpu_init.py:[0-9]*: UserWarning/{N;d}')
 if [[ " $runs " == *" tunix_lora_r16 "* && "${2:-}" != "--cpu-check" ]]; then
     pip_here --no-deps .whl-tunix/*.whl || echo "run.sh: could not install Tunix's wheels from .whl-tunix/"
 fi
@@ -63,7 +66,7 @@ for run in $runs; do
             --rows "$work/rows.jsonl" --out "$work/$run.json" --batch "$batch" --length "$length" --steps "$steps" \
             > "$work/$run.out" 2>&1
         echo "== $run: exit $?" > "$OUT/$run.log"
-        tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"
+        tail -c 4000 "$work/$run.out" | sed "${clean[@]}" >> "$OUT/$run.log"
         continue
     fi
     if [ "$run" = fit_or_oom ]; then  # the largest batch by running, from the plan's (largest_batch_plan.json)
@@ -72,7 +75,7 @@ for run in $runs; do
         # returned nothing); the record is written after every run, the log as it goes
         PYTHONUNBUFFERED=1 timeout 420 python results/tpu_v5e_training/fit_or_oom.py --model "$work/qwen" \
             --rows "$work/rows.jsonl" --plan results/tpu_v5e_training/largest_batch_plan.json --length "$length" \
-            --out "$OUT/fit_or_oom.json" "${grid[@]}" 2>&1 | sed -e "s|$work|\$WORK|g" > "$OUT/$run.log"
+            --out "$OUT/fit_or_oom.json" "${grid[@]}" 2>&1 | sed "${clean[@]}" > "$OUT/$run.log"
         continue
     fi
     case "$run" in
@@ -86,7 +89,7 @@ for run in $runs; do
     timeout "$run_limit" python -m tunix_nb.measure_command --out "$work/$run.json" "${trace[@]}" -- "${common[@]}" "${extra[@]}" \
         > "$work/$run.out" 2>&1
     echo "== $run: exit $?" > "$OUT/$run.log"
-    tail -c 4000 "$work/$run.out" | sed -e "s|$work|\$WORK|g" -e "s|$PWD/||g" >> "$OUT/$run.log"  # no machine path in a log
+    tail -c 4000 "$work/$run.out" | sed "${clean[@]}" >> "$OUT/$run.log"
 done
 python -c "
 import json, sys
