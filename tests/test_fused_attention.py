@@ -139,3 +139,74 @@ def test_a_plan_for_a_tpu_traces_the_compiled_kernel_on_any_backend(monkeypatch)
         jax.eval_shape(lambda *x: fused_attention.attend(*x), q, k, v, segments)
     jax.eval_shape(lambda *x: fused_attention.attend(*x), q, k, v, segments)
     assert traced == [False, jax.default_backend() != "tpu"]
+
+
+def remat_model(policy: str, **overrides):
+    """A 2-layer model with heads of 128, splash attention, its blocks rematerialised and scanned."""
+    cfg = model.ModelConfig(d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=128, qk_norm=True,
+                            attention="splash", remat=True, scan_layers=True, remat_policy=policy, **overrides)
+    return model.split(model.Transformer(cfg, rngs=model.nnx.Rngs(0)))
+
+
+def splash_loss(graphdef):
+    tokens_BxL = jax.random.randint(jax.random.key(1), (2, 128), 0, 259)
+    mask_BxL = jnp.ones((2, 128), jnp.int32).at[-1, 100:].set(0)
+    return lambda params: jnp.sum(jax.nn.log_softmax(model.nnx.merge(graphdef, params)(tokens_BxL, mask_BxL))[..., 7]
+                                  * mask_BxL)
+
+
+def test_remat_saving_attention_runs_the_forward_kernel_once():
+    """The step lowered for a TPU (Mosaic kernels, on any backend): remat recomputes the block,
+    splash's forward kernel included, so the backward pass holds a second forward program;
+    "save_attention" keeps the kernel's output and statistics, and the backward kernels read them."""
+    import collections
+    import re
+
+    programs = {}
+    for policy in ("full", "save_attention"):
+        graphdef, params = remat_model(policy, dtype="bfloat16")
+        with fused_attention.lowering_for("tpu"):
+            text = jax.jit(jax.grad(splash_loss(graphdef))).trace(params).lower(lowering_platforms=("tpu",)).as_text()
+        programs[policy] = collections.Counter(re.findall(r"splash_mha_(fwd|dq|dkv)_segmented", text))
+    assert programs["full"] == {"fwd": 2, "dq": 1, "dkv": 1}
+    assert programs["save_attention"] == {"fwd": 1, "dq": 1, "dkv": 1}
+
+
+def test_remat_saving_attention_gives_the_same_gradient():
+    """Keeping the kernel's residuals changes what the backward pass reads, not what it computes:
+    the gradient of a rematerialised attention is the same, bit for bit in Pallas's interpreter.
+    (The model passes the policy to its blocks: the lowering test above.)"""
+    q, k, v = qkv(batch=1, length=128, heads=1, kv_heads=1)
+    segments = jnp.ones((1, 128), jnp.int32)
+    cotangent = jax.random.normal(jax.random.key(9), q.shape)
+    grads = {}
+    for policy in ("full", "save_attention"):
+        attention = jax.checkpoint(lambda q, k, v: fused_attention.attend(q, k, v, segments),
+                                   policy=model.checkpoint_policy(policy))
+        grads[policy] = jax.jit(jax.grad(lambda *x: jnp.sum(attention(*x) * cotangent), argnums=(0, 1, 2)))(q, k, v)
+    assert all(np.array_equal(a, b) for a, b in zip(grads["full"], grads["save_attention"]))
+    assert min(float(jnp.max(jnp.abs(g))) for g in grads["full"]) > 0
+
+
+def test_the_remat_policy_is_checked():
+    with pytest.raises(ValueError, match="remat_policy must be one of"):
+        model.checkpoint_policy("save_everything")
+    from tunix_nb.memory_plan import config as plan_config
+    assert set(model.REMAT_POLICIES) == {"full", "save_attention"}
+    with pytest.raises(ValueError, match="PlanConfig.remat_policy='dots'"):
+        plan_config.PlanConfig(remat_policy="dots")
+
+
+def test_the_command_passes_the_remat_policy_to_the_model_and_names_misuse():
+    from tunix_nb.cli import models
+
+    config = cli.config_from_argv(["sft", "--model", "tiny", "--steps", "1", "--remat", "--remat-policy",
+                                   "save_attention", "--attention", "splash", "--compute-dtype", "bfloat16"])
+    graphdef, params, _ = models.build_model(config)
+    built = model.nnx.merge(graphdef, params).cfg
+    assert (built.remat, built.remat_policy, built.attention) == (True, "save_attention", "splash")
+    with pytest.raises(FlagError, match="--remat-policy save_attention says what --remat keeps: add --remat"):
+        cli.config_from_argv(["sft", "--model", "tiny", "--steps", "1", "--remat-policy", "save_attention"])
+    with pytest.raises(FlagError, match="keeps the splash kernel's output, and this run's attention is XLA's einsums"):
+        cli.config_from_argv(["sft", "--model", "tiny", "--steps", "1", "--remat", "--remat-policy", "save_attention",
+                              "--attention", "xla"])

@@ -545,3 +545,25 @@ def test_the_chips_partial_bench_is_what_the_readme_says():
     assert mfu["model"]["n_layers"] == 4 and mfu["model"]["attention"] == "splash" and mfu["model"]["scan_layers"]
     notes = " ".join((HERE / "README.md").read_text().split())
     assert f"holds `train_step_mfu` {mfu['value']:.3f} for the 4-layer" in notes
+
+
+def test_the_remat_policy_plan_is_quoted_from_its_record():
+    """--remat-policy save_attention compiled for one v5e: one splash forward kernel in the step
+    instead of two, for about a gigabyte more peak."""
+    record = json.loads((HERE / "remat_policy_plan.json").read_text())
+    rows = record["rows"]
+    assert [f"| {name.split('/')[0]} | {name.split('/')[1]} | {r['forward_kernels']} | {r['temp_bytes'] / GB:.2f} "
+            f"| {r['peak_bytes'] / GB:.2f} |" for name, r in rows.items()] == table_of(
+                (HERE / "README.md").read_text(), "remat policy plan")
+    for strategy in ("lora", "full"):
+        full, save = rows[f"{strategy}/full"], rows[f"{strategy}/save_attention"]
+        assert (full["forward_kernels"], save["forward_kernels"]) == (2, 1)
+        assert full["argument_bytes"] == save["argument_bytes"] and save["peak_bytes"] > full["peak_bytes"]
+    notes = " ".join((HERE / "README.md").read_text().split())
+    extra = {s: (rows[f"{s}/save_attention"]["peak_bytes"] - rows[f"{s}/full"]["peak_bytes"]) / GB for s in ("lora", "full")}
+    assert f"costs {extra['lora']:.2f} GB of peak for LoRA and {extra['full']:.2f} GB for full fine-tuning" in notes
+    kept = 28 * (8 * 16 * 1024 * 128 * 2 + 8 * 16 * 1024 * 4)
+    assert f"about what is kept, {kept / GB:.2f} GB" in notes and all(abs(e * GB / kept - 1) < 0.15 for e in extra.values())
+    # the stacked-base LoRA step the chip ran (base_stack_2b424e5.json) is this plan's "full" row, to 1 KB of peak
+    chip = json.loads((HERE / "base_stack_2b424e5.json").read_text())["runs"]["lora_r16_scan"]["xla_memory"]
+    assert abs(chip["peak_bytes"] - rows["lora/full"]["peak_bytes"]) <= 1024

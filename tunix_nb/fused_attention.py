@@ -31,6 +31,9 @@ import jax
 import jax.numpy as jnp
 
 CHOICES = ("auto", "xla", "splash")
+# the name the kernel gives its output and softmax statistics (`jax.ad_checkpoint.checkpoint_name`),
+# what remat's "save_attention" policy keeps (`model.checkpoint_policy`)
+RESIDUALS = "splash_attention_residuals"
 BLOCK_SIZES = (512, 256, 128)  # largest first: 512 ran 3x faster than 128 on the v5e (attention_bench.py)
 LANES = 128
 
@@ -94,7 +97,8 @@ def _kernel(length: int, heads: int, interpret: bool):
                                block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
     with jax.ensure_compile_time_eval():  # its block tables as constants: the cache outlives the trace
-        return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
+        return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret,
+                                                    residual_checkpoint_name=RESIDUALS)
 
 
 def attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL):

@@ -72,6 +72,11 @@ class ModelConfig:
     # where its shapes apply (`tunix_nb.fused_attention`; the same attention for real tokens).
     # The command picks it with --attention auto on one TPU computing in bfloat16.
     attention: str = "xla"
+    # What remat keeps for the backward pass beside each block's input: "full" keeps nothing
+    # (every activation recomputed); "save_attention" keeps the fused kernel's output and
+    # softmax statistics, so the backward kernels run without a second forward kernel (one
+    # [B, H, L, D] array and one [B, H, L] per block). Only the splash kernel names them.
+    remat_policy: str = "full"
 
     def __post_init__(self):
         if self.attention not in ("xla", "splash"):
@@ -286,8 +291,21 @@ class Block(nnx.Module):
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), cache
 
 
-def _remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS):
-    """One block whose activations the backward pass recomputes instead of storing.
+REMAT_POLICIES = ("full", "save_attention")
+
+
+def checkpoint_policy(remat_policy: str):
+    """`jax.checkpoint`'s policy for `ModelConfig.remat_policy`: None recomputes everything."""
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}")
+    if remat_policy == "full":
+        return None
+    return jax.checkpoint_policies.save_only_these_names(fused_attention.RESIDUALS)
+
+
+def _remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS, policy=None):
+    """One block whose activations the backward pass recomputes instead of storing, but for
+    what `policy` (`checkpoint_policy`) keeps.
 
     jax.checkpoint on the block as a pure function of its state (what nnx.remat does,
     written out): LoRA layers from qwix then compose with it as well.
@@ -297,7 +315,7 @@ def _remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS):
     def run(state, x_BxLxD, positions_BxL, allowed_BxLxS):
         return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, allowed_BxLxS)[0]
 
-    return jax.checkpoint(run)(state, x_BxLxD, positions_BxL, allowed_BxLxS)
+    return jax.checkpoint(run, policy=policy)(state, x_BxLxD, positions_BxL, allowed_BxLxS)
 
 
 def _qwix_paths_as_block_zero(blocks) -> list:
@@ -316,9 +334,10 @@ def _qwix_paths_as_block_zero(blocks) -> list:
     return renamed
 
 
-def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool):
+def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool, policy=None):
     """The blocks applied in turn, as one `jax.lax.scan` over their parameters stacked on a
-    leading layer axis ([n_layers, ...] per leaf), with `jax.checkpoint` inside under remat.
+    leading layer axis ([n_layers, ...] per leaf), with `jax.checkpoint` inside under remat
+    (keeping what `policy` keeps).
 
     The parameters stay one tree per block, as Hugging Face, PEFT, Orbax and the lessons
     name them: the stack is built inside the step. Where parameters are cast for compute
@@ -343,11 +362,11 @@ def _scan_blocks(blocks, x_BxLxD, positions_BxL, allowed_BxLxS, *, remat: bool):
     # compute dtype) cannot be a scan's carry: the loop promotes after the first block
     if not same_body or jax.eval_shape(one_block, x_BxLxD, states[0])[0].dtype != x_BxLxD.dtype:
         for block in blocks:
-            x_BxLxD = (_remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS) if remat
+            x_BxLxD = (_remat_block(block, x_BxLxD, positions_BxL, allowed_BxLxS, policy) if remat
                        else block(x_BxLxD, positions_BxL, allowed_BxLxS)[0])
         return x_BxLxD
     stacked_states = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
-    body = jax.checkpoint(one_block) if remat else one_block
+    body = jax.checkpoint(one_block, policy=policy) if remat else one_block
     return jax.lax.scan(body, x_BxLxD, stacked_states)[0]
 
 
@@ -477,12 +496,13 @@ class Transformer(nnx.Module):
         x = self.embed(tokens_BxL)
         if self.cfg.dtype is None:  # compute follows the params: nnx.Embed fixed float32 when it was built
             x = x.astype(jnp.result_type(self.embed.embedding[...]))
+        policy = checkpoint_policy(self.cfg.remat_policy)
         if caches is None and self.cfg.scan_layers and len(self.blocks) > 1:
-            x = _scan_blocks(self.blocks, x, positions_BxL, allowed_BxLxS, remat=self.cfg.remat)
+            x = _scan_blocks(self.blocks, x, positions_BxL, allowed_BxLxS, remat=self.cfg.remat, policy=policy)
             caches = [None]
         elif caches is None and self.cfg.remat:  # a training pass: no cache to fill
             for block in self.blocks:
-                x = _remat_block(block, x, positions_BxL, allowed_BxLxS)
+                x = _remat_block(block, x, positions_BxL, allowed_BxLxS, policy)
             caches = [None]
         else:
             caches = [None] * len(self.blocks) if caches is None else list(caches)

@@ -13,6 +13,8 @@
 #   (nf4 base, rank 16), its own call:  RUNS=llama_qlora_r16 bash results/tpu_v5e_training/run.sh COMMIT
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
 #   SEQ_CHUNK=256 takes the loss's positions 256 at a time (--seq-chunk; default: all at once)
+#   VOCAB_CHUNK=none computes the loss over the full logits (--vocab-chunk; default auto: chunks of 8192)
+#   REMAT_POLICY=save_attention keeps splash attention's output through remat (--remat-policy), for every run
 #   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
 #   "fit_or_oom": the largest batch that fits, by running the command from the plan's answer outwards
 #   (fit_or_oom.py; the plan: largest_batch_plan.json); its record is $OUT/fit_or_oom.json
@@ -51,8 +53,11 @@ with open(sys.argv[1], 'w') as f:
 trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
 # the loss's positions all at once by default (faster on the chip: README "Remedies"); SEQ_CHUNK=256 as before b83fc32
 seq_chunk=(); [ -n "${SEQ_CHUNK:-}" ] && [ "$SEQ_CHUNK" != none ] && seq_chunk=(--seq-chunk "$SEQ_CHUNK")
+# REMAT_POLICY=save_attention keeps splash attention's output through remat (--remat-policy; default full)
+remat_policy=(); [ -n "${REMAT_POLICY:-}" ] && remat_policy=(--remat-policy "$REMAT_POLICY")
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
-        --batch-size "$batch" --steps "$steps" --remat --compute-dtype bfloat16 --vocab-chunk auto
+        --batch-size "$batch" --steps "$steps" --remat "${remat_policy[@]}" --compute-dtype bfloat16
+        --vocab-chunk "${VOCAB_CHUNK:-auto}"
         "${seq_chunk[@]}" --learning-rate 1e-4)
 # no machine path in a log: the work folder as $WORK, the checkout's relative, and JAX's warning
 # about hugepages (it names where the machine's JAX lives) dropped with its next line
@@ -64,6 +69,7 @@ for run in $runs; do
     if [ "$run" = tunix_lora_r16 ]; then  # not measure_command's record: the side-by-side's own
         timeout "$((run_limit * 2 + 20))" python results/tpu_v5e_training/tunix_side_by_side.py --model "$work/qwen" \
             --rows "$work/rows.jsonl" --out "$work/$run.json" --batch "$batch" --length "$length" --steps "$steps" \
+            --kit-flags="${remat_policy[*]}${VOCAB_CHUNK:+ --vocab-chunk $VOCAB_CHUNK}" \
             > "$work/$run.out" 2>&1
         echo "== $run: exit $?" > "$OUT/$run.log"
         tail -c 4000 "$work/$run.out" | sed "${clean[@]}" >> "$OUT/$run.log"

@@ -146,6 +146,8 @@ def check_flags(args) -> None:
         raise FlagError("on-policy distillation (--lmbda, --seq-kd) runs in one process (its batches are sampled "
                         "on one host); drop --distributed and the process flags, and use --devices with any "
                         "--parallel")
+    if args.remat_policy != "full" and not args.remat:
+        raise FlagError(f"--remat-policy {args.remat_policy} says what --remat keeps: add --remat, or drop it")
     if (getattr(args, "devices", None) or 1) > 1 and args.parallel == "jit":
         raise FlagError(f"--devices {args.devices} with --parallel jit would train on one of them; add --parallel "
                         f"dp, fsdp, shard_map or pmap to use all {args.devices}, or drop --devices")

@@ -97,7 +97,7 @@ def build_model(config: RunConfig):
 
 
 def _with_layer_options(graphdef, params, training):
-    """The model with --remat, --scan-layers and --attention set in its config: how the blocks
+    """The model with --remat, --remat-policy, --scan-layers and --attention set in its config: how the blocks
     run, not what they compute, so the parameters are untouched."""
     from flax import nnx
 
@@ -108,5 +108,6 @@ def _with_layer_options(graphdef, params, training):
     if not (training.remat or training.scan_layers):
         return graphdef, params
     module = nnx.merge(graphdef, params)
-    module.cfg = dataclasses.replace(module.cfg, remat=training.remat, scan_layers=training.scan_layers)
+    module.cfg = dataclasses.replace(module.cfg, remat=training.remat, scan_layers=training.scan_layers,
+                                     remat_policy=training.remat_policy)
     return nnx.split(module)

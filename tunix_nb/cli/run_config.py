@@ -165,6 +165,10 @@ def resolve_attention(args, compute_dtype: str) -> str:
         raise FlagError(f"--attention: {err}")
     if args.attention == "auto" and attention == "splash":
         print(f"--attention auto: splash ({why})")
+    if args.remat_policy == "save_attention" and attention != "splash":
+        raise FlagError(f"--remat-policy save_attention keeps the splash kernel's output, and this run's attention "
+                        f"is XLA's einsums ({why}): use --remat-policy full, or run splash attention "
+                        "(one TPU computing in bfloat16)")
     return attention
 
 

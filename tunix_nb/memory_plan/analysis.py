@@ -44,7 +44,7 @@ def kit_config(hf_config: dict, cfg: PlanConfig):
     compute dtype as the plan says."""
     model_cfg = hf.model_config(hf_config, dtype="float32" if cfg.float32_activations else cfg.compute_dtype)
     return dataclasses.replace(model_cfg, remat=cfg.remat, n_layers=cfg.n_layers or model_cfg.n_layers,
-                               scan_layers=cfg.scan_layers, attention=cfg.attention)
+                               scan_layers=cfg.scan_layers, attention=cfg.attention, remat_policy=cfg.remat_policy)
 
 
 def _cast_abstract(tree, dtype: str):

@@ -25,7 +25,8 @@ class PlanConfig:
     `ModelConfig.dtype=compute_dtype`, so every layer computes in it, as the default config
     (`dtype=None`, following the params) now does too. `scan_layers` plans the step of the
     command's --scan-layers (the trained blocks, and a LoRA base, stacked: `layer_stack`);
-    `attention` is the model's ("splash": the command's --attention on one TPU chip).
+    `attention` is the model's ("splash": the command's --attention on one TPU chip);
+    `remat_policy` what remat keeps (`ModelConfig.remat_policy`).
     """
 
     strategy: str = "lora"
@@ -42,8 +43,12 @@ class PlanConfig:
     float32_activations: bool = False
     scan_layers: bool = False
     attention: str = "xla"
+    remat_policy: str = "full"
 
     def __post_init__(self):
+        if self.remat_policy not in ("full", "save_attention"):
+            raise ValueError(f"PlanConfig.remat_policy={self.remat_policy!r}; choose 'full' or 'save_attention' "
+                             "(the model's, tunix_nb.model.REMAT_POLICIES).")
         if self.attention not in ("xla", "splash"):
             raise ValueError(f"PlanConfig.attention={self.attention!r}; choose 'xla' or 'splash' (the model's, "
                              "tunix_nb.fused_attention: a TPU's kernel).")

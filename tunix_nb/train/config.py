@@ -183,6 +183,12 @@ class TrainingConfig:
                          help="rematerialise each block: keep only its input for the backward pass and "
                               "recompute the rest, trading about one more forward pass for activation memory "
                               "(the same update; a run may resume with or without it)")
+    remat_policy: str = option("full", choices=("full", "save_attention"), run_defining=False,
+                               help="what --remat keeps beside each block's input: full keeps nothing; "
+                                    "save_attention keeps the splash kernel's output and softmax statistics, "
+                                    "so the backward pass skips the kernel's second forward run (one "
+                                    "[batch, heads, length, head_dim] array more per block; only with "
+                                    "--attention splash)")
     scan_layers: bool = option(False, switch=True, run_defining=False,
                                help="run the blocks as one scan and train their parameters stacked on a layer "
                                     "axis: the compiled step holds one block instead of one per layer and the "
