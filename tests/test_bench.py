@@ -240,12 +240,13 @@ def test_the_remat_check_holds_where_auto_computes_in_bfloat16():
     previous = precision.set_auto_compute_dtype("bfloat16")
     try:
         assert not remat.computes_in_float32()
-        programs = remat.remat_programs(2, 64)
+        small = {"d_model": 64, "n_layers": 2, "d_ff": 128}
+        programs = remat.remat_programs(2, 64, **small)
         updates = {name: compiled(*args) for name, (compiled, args) in programs.items()}
         bfloat16_apart = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                              for a, b in zip(*(jax.tree.leaves(u) for u in updates.values())))
         assert bfloat16_apart > 1e-6  # what the chip's run tripped on, reproduced here
-        assert remat.update_difference(None, 2, 64) <= 1e-6
+        assert remat.update_difference(None, 2, 64, **small) <= 1e-6
     finally:
         precision.set_auto_compute_dtype(previous)
     assert remat.computes_in_float32() == (jax.default_backend() == "cpu")

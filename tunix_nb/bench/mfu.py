@@ -168,14 +168,14 @@ def op_profile(compiled, args, *, calls: int = 5, top: int = 8) -> dict:
             "top_ops": [described(n, t) for n, t in seconds.most_common(top)]}
 
 
-def mfu_setup(batch: int, seq_len: int):
+def mfu_setup(batch: int, seq_len: int, **sizes):
     """(cfg, graphdef, params, batch, optimizer): the benchmark's model (d_model 256, 4
-    layers, d_ff 768) and one SFT batch of random tokens."""
+    layers, d_ff 768; `sizes` overrides them, for tests) and one SFT batch of random tokens."""
     import numpy as np
 
     from tunix_nb import model, train
 
-    cfg = model.get_config("student", d_model=256, n_layers=4, n_heads=4, d_ff=768)
+    cfg = model.get_config("student", **{"d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 768, **sizes})
     graphdef, params = model.split(model.make_model(cfg, seed=0))
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
     b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq_len), np.float32),

@@ -25,11 +25,12 @@ def measure(*, quick: bool, repeats: int) -> dict:
 MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def remat_programs(batch: int, seq_len: int) -> dict:
-    """{"plain", "remat": (compiled SFT step, its args)} for the MFU model at this size."""
+def remat_programs(batch: int, seq_len: int, **sizes) -> dict:
+    """{"plain", "remat": (compiled SFT step, its args)} for the MFU model at this size
+    (`sizes`: `mfu_setup`'s overrides)."""
     from tunix_nb import model, sft, train
 
-    _, graphdef, params, b, opt = mfu_setup(batch, seq_len)
+    _, graphdef, params, b, opt = mfu_setup(batch, seq_len, **sizes)
     args = (params, opt.init(params), b)
     out = {}
     for name, g in (("plain", graphdef), ("remat", model.with_remat(graphdef, params))):
@@ -37,7 +38,7 @@ def remat_programs(batch: int, seq_len: int) -> dict:
     return out
 
 
-def update_difference(programs, batch: int, seq_len: int) -> float:
+def update_difference(programs, batch: int, seq_len: int, **sizes) -> float:
     """The largest difference between the plain and the rematerialised step's updates, with
     float32 compute and float32 matmuls. `programs` computed that way already (a CPU's
     default); None: the pair is compiled again under `compare.agreement_precision`, because a
@@ -50,7 +51,7 @@ def update_difference(programs, batch: int, seq_len: int) -> float:
 
     if programs is None:
         with compare.agreement_precision():
-            programs = remat_programs(batch, seq_len)
+            programs = remat_programs(batch, seq_len, **sizes)
     updates = {name: compiled(*args) for name, (compiled, args) in programs.items()}
     # recomputed activations can fuse differently: equal to float32 rounding, not always bitwise
     return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
