@@ -567,3 +567,9 @@ def test_the_remat_policy_plan_is_quoted_from_its_record():
     # the stacked-base LoRA step the chip ran (base_stack_2b424e5.json) is this plan's "full" row, to 1 KB of peak
     chip = json.loads((HERE / "base_stack_2b424e5.json").read_text())["runs"]["lora_r16_scan"]["xla_memory"]
     assert abs(chip["peak_bytes"] - rows["lora/full"]["peak_bytes"]) <= 1024
+
+
+def test_the_remedy_notes_point_to_the_side_by_side_in_one_process():
+    run = json.loads((HERE / "tunix_2b424e5.json").read_text())["runs"]["tunix_lora_r16"]
+    notes = " ".join((HERE / "README.md").read_text().split())
+    assert f"run again in one process at 2b424e5 (above), the ratio is {run['kit_over_tunix_step']:.2f}." in notes
