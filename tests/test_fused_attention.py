@@ -191,6 +191,8 @@ def test_remat_saving_attention_gives_the_same_gradient():
 def test_the_remat_policy_is_checked():
     with pytest.raises(ValueError, match="remat_policy must be one of"):
         model.checkpoint_policy("save_everything")
+    with pytest.raises(ValueError, match="remat_policy='dots': use one of"):
+        model.ModelConfig(remat_policy="dots")
     from tunix_nb.memory_plan import config as plan_config
     assert set(model.REMAT_POLICIES) == {"full", "save_attention"}
     with pytest.raises(ValueError, match="PlanConfig.remat_policy='dots'"):

@@ -39,6 +39,9 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
 
+REMAT_POLICIES = ("full", "save_attention")  # ModelConfig.remat_policy: see `checkpoint_policy`
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 259  # tunix_nb.tokenizer.ByteTokenizer().vocab_size
@@ -81,6 +84,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.attention not in ("xla", "splash"):
             raise ValueError(f"attention={self.attention!r}: use 'xla' or 'splash' ('auto' is the command's).")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r}: use one of {REMAT_POLICIES}.")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -289,9 +294,6 @@ class Block(nnx.Module):
         mixed_BxLxD, cache = self.attn(self.attn_norm(x_BxLxD), positions_BxL, allowed_BxLxS, cache, index)
         x_BxLxD = x_BxLxD + mixed_BxLxD
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), cache
-
-
-REMAT_POLICIES = ("full", "save_attention")
 
 
 def checkpoint_policy(remat_policy: str):

@@ -79,7 +79,6 @@ def bench_remat(repeats, quick=False):
     XLA's temporary memory of the compiled step and its time, at a size where activations
     dominate; both give the same update to float32 rounding (checked)."""
     import jax
-    import numpy as np
 
     batch, seq_len = (4, 128) if quick else (8, 512)
     programs = remat_programs(batch, seq_len)
