@@ -573,3 +573,18 @@ def test_the_remedy_notes_point_to_the_side_by_side_in_one_process():
     run = json.loads((HERE / "tunix_2b424e5.json").read_text())["runs"]["tunix_lora_r16"]
     notes = " ".join((HERE / "README.md").read_text().split())
     assert f"run again in one process at 2b424e5 (above), the ratio is {run['kit_over_tunix_step']:.2f}." in notes
+
+
+def test_the_largest_batch_with_the_kept_residuals_is_quoted_from_its_plan():
+    kept = json.loads((HERE / "largest_batch_save_attention_plan.json").read_text())
+    plain = json.loads((HERE / LARGEST).read_text())
+    assert all(kept[s]["config"]["remat_policy"] == "save_attention" and kept[s]["config"]["scan_layers"]
+               for s in ("lora", "full"))
+    assert all(kept[s]["largest_batch"] < plain[s]["largest_batch"] for s in ("lora", "full"))
+    quoted = (f"LoRA r16 fits {kept['lora']['largest_batch']} rows of 1024 tokens and full fine-tuning "
+              f"{kept['full']['largest_batch']}, against {plain['lora']['largest_batch']} and "
+              f"{plain['full']['largest_batch']} with `full`")
+    assert quoted in " ".join((HERE / "README.md").read_text().split())
+    cli_doc = " ".join((HERE.parent.parent / "docs" / "cli.md").read_text().split())
+    assert (f"LoRA r16 fits {kept['lora']['largest_batch']} rows instead of {plain['lora']['largest_batch']} and full "
+            f"fine-tuning {kept['full']['largest_batch']} instead of {plain['full']['largest_batch']}") in cli_doc

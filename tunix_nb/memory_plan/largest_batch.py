@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-chunk", type=int, default=None)
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
+    parser.add_argument("--remat-policy", choices=("full", "save_attention"), default="full",
+                        help="what remat keeps (the command's --remat-policy): save_attention keeps splash's output")
     parser.add_argument("--grid", type=lambda text: tuple(sorted(int(b) for b in text.split(","))), default=BATCH_GRID,
                         help="the batch sizes to search, e.g. 8 to plan one batch (default 8, 16, ..., 256)")
     parser.add_argument("--out", type=Path, required=True, help="a JSON file; its record for this strategy is replaced")
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
         return 2
     cfg = config.after(config.PlanConfig(strategy=args.strategy, seq_len=args.seq_len, lora_rank=args.lora_rank),
                        vocab_chunk=args.vocab_chunk, seq_chunk=args.seq_chunk)
-    cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers, attention=args.attention)
+    cfg = dataclasses.replace(cfg, scan_layers=args.scan_layers, attention=args.attention,
+                              remat_policy=args.remat_policy)
     found = plan_largest_batch(args.model, cfg, "v5e", grid=args.grid)
     record = json.loads(args.out.read_text()) if args.out.is_file() else {}
     record[args.strategy] = {"model": str(args.model), "config": dataclasses.asdict(cfg),
