@@ -1,8 +1,10 @@
 """The scanned step's memory on one TPU v5e chip with remat recomputing everything (`--remat-policy
-full`) against keeping splash attention's output and statistics (`save_attention`), compiled
-ahead of time for the chip (`tunix_nb.memory_plan`, libtpu: see tunix_nb/memory_plan/targets.py),
-with the number of splash forward-kernel programs in each compiled step (2: remat runs the
-kernel again in the backward pass; 1: the backward kernels read the kept residuals).
+full`), keeping splash attention's output and statistics (`save_attention`), and keeping those and
+the projections' outputs (`save_projections`), compiled ahead of time for the chip
+(`tunix_nb.memory_plan`, libtpu: see tunix_nb/memory_plan/targets.py), with the number of splash
+forward-kernel programs in each compiled step (2: remat runs the kernel again in the backward pass;
+1: the backward kernels read the kept residuals) and of its matmuls (dots and convolutions in the
+compiled program, the scanned block's once: fewer where remat recomputes fewer).
 
 At Qwen3-0.6B's shapes as the chip's runs: LoRA r16 and full fine-tuning, batch 8 x 1024,
 bfloat16 compute, remat, donation, vocabulary chunks of 8192, --scan-layers, splash attention.
@@ -29,6 +31,11 @@ def forward_kernels(hlo_text: str) -> int:
     return len(re.findall(r"^\s*%splash_mha_fwd_[\w.]+ = ", hlo_text, re.M))
 
 
+def matmuls(hlo_text: str) -> int:
+    """The dot and convolution instructions in a compiled step (how XLA's TPU backend writes a matmul)."""
+    return len(re.findall(r" (?:dot|convolution)\(", hlo_text))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -46,14 +53,14 @@ def main(argv=None) -> int:
     rows = {}
     for strategy in ("lora", "full"):
         base = config.after(config.PlanConfig(strategy=strategy, batch_size=args.batch), vocab_chunk=8192)
-        for policy in ("full", "save_attention"):
+        for policy in config.REMAT_POLICIES:
             cfg = dataclasses.replace(base, scan_layers=True, attention="splash", remat_policy=policy)
             step, step_args, _ = analysis.abstract_step(hf_config, cfg, parallel_mode="jit", mesh=mesh)
             with fused_attention.lowering_for("tpu"):
                 compiled = analysis.lower(step, step_args, mesh, "jit").compile()
-            memory = analysis.memory_of(compiled)
+            memory, text = analysis.memory_of(compiled), compiled.as_text()
             rows[f"{strategy}/{policy}"] = {**{key: memory[key] for key in FIELDS},
-                                            "forward_kernels": forward_kernels(compiled.as_text())}
+                                            "forward_kernels": forward_kernels(text), "matmuls": matmuls(text)}
             print(strategy, policy, rows[f"{strategy}/{policy}"], flush=True)
     record = {"script": "results/tpu_v5e_training/remat_policy_plan.py", "model": "Qwen3-0.6B",
               "config": dataclasses.asdict(dataclasses.replace(base, scan_layers=True, attention="splash")),

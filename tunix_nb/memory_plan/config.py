@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 STRATEGIES = ("full", "lora", "qlora")
+REMAT_POLICIES = ("full", "save_attention", "save_projections")  # tunix_nb.model's, without importing JAX
 DTYPES = ("float32", "bfloat16")
 
 
@@ -46,8 +47,8 @@ class PlanConfig:
     remat_policy: str = "full"
 
     def __post_init__(self):
-        if self.remat_policy not in ("full", "save_attention"):
-            raise ValueError(f"PlanConfig.remat_policy={self.remat_policy!r}; choose 'full' or 'save_attention' "
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"PlanConfig.remat_policy={self.remat_policy!r}; choose one of {REMAT_POLICIES} "
                              "(the model's, tunix_nb.model.REMAT_POLICIES).")
         if self.attention not in ("xla", "splash"):
             raise ValueError(f"PlanConfig.attention={self.attention!r}; choose 'xla' or 'splash' (the model's, "

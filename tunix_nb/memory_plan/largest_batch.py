@@ -90,6 +90,8 @@ def plan_largest_batch(model, cfg, target: str = "v5e", grid=BATCH_GRID) -> dict
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tunix_nb.memory_plan.config import REMAT_POLICIES
+
     parser = argparse.ArgumentParser(prog="python -m tunix_nb.memory_plan.largest_batch",
                                      description="The memory plan's largest batch on one TPU v5e chip "
                                                  "(needs libtpu: tunix_nb.memory_plan.targets).")
@@ -101,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-chunk", type=int, default=None)
     parser.add_argument("--scan-layers", action="store_true")
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
-    parser.add_argument("--remat-policy", choices=("full", "save_attention"), default="full",
-                        help="what remat keeps (the command's --remat-policy): save_attention keeps splash's output")
+    parser.add_argument("--remat-policy", choices=REMAT_POLICIES, default="full",
+                        help="what remat keeps (the command's --remat-policy): save_attention keeps splash's output, "
+                             "save_projections also the projections' outputs")
     parser.add_argument("--grid", type=lambda text: tuple(sorted(int(b) for b in text.split(","))), default=BATCH_GRID,
                         help="the batch sizes to search, e.g. 8 to plan one batch (default 8, 16, ..., 256)")
     parser.add_argument("--out", type=Path, required=True, help="a JSON file; its record for this strategy is replaced")

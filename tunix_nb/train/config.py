@@ -13,6 +13,8 @@ import dataclasses
 from tunix_nb.config_flags import option, positive_float, positive_int
 from tunix_nb.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S
 
+REMAT_POLICIES = ("full", "save_attention", "save_projections")  # tunix_nb.model's, named here without JAX
+
 # train.PARALLEL_MODES, spelled out: the parser is built before JAX may start.
 PARALLEL_CHOICES = ("jit", "pmap", "shard_map", "dp", "fsdp")
 MESH_CHOICES = ("shard_map", "dp", "fsdp")  # parallel.MESH_MODES: the strategies that span processes
@@ -183,12 +185,14 @@ class TrainingConfig:
                          help="rematerialise each block: keep only its input for the backward pass and "
                               "recompute the rest, trading about one more forward pass for activation memory "
                               "(the same update; a run may resume with or without it)")
-    remat_policy: str = option("full", choices=("full", "save_attention"), run_defining=False,
+    remat_policy: str = option("full", choices=REMAT_POLICIES, run_defining=False,
                                help="what --remat keeps beside each block's input: full keeps nothing; "
                                     "save_attention keeps the splash kernel's output and softmax statistics, "
                                     "so the backward pass skips the kernel's second forward run (one "
                                     "[batch, heads, length, head_dim] array more per block; only with "
-                                    "--attention splash)")
+                                    "--attention splash); save_projections keeps those and the q, k, v, "
+                                    "attention-output, gate and up projections' outputs, so the backward pass "
+                                    "recomputes no matmul (about 11k values more per token and block)")
     scan_layers: bool = option(False, switch=True, run_defining=False,
                                help="run the blocks as one scan and train their parameters stacked on a layer "
                                     "axis: the compiled step holds one block instead of one per layer and the "
