@@ -14,7 +14,8 @@
 #   BATCH, LENGTH and STEPS change the shapes (default 8, 1024, 15), e.g. to find the largest batch that fits
 #   SEQ_CHUNK=256 takes the loss's positions 256 at a time (--seq-chunk; default: all at once)
 #   VOCAB_CHUNK=none computes the loss over the full logits (--vocab-chunk; default auto: chunks of 8192)
-#   REMAT_POLICY=save_attention keeps splash attention's output through remat (--remat-policy), for every run
+#   REMAT_POLICY=save_attention keeps splash attention's output through remat (--remat-policy), for every run;
+#   save_projections also the projections' outputs
 #   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
 #   "fit_or_oom": the largest batch that fits, by running the command from the plan's answer outwards
 #   (fit_or_oom.py; the plan: largest_batch_plan.json); its record is $OUT/fit_or_oom.json
