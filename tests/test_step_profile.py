@@ -73,7 +73,8 @@ def test_a_real_step_traced_on_this_machine():
             jax.block_until_ready(compiled(*args))
         jax.profiler.stop_trace()
         events = step_profile.trace_events(trace_dir)
-    profile = step_profile.summarise(events, compiled.as_text(), calls=2)
+    # every source, not the ten slowest: on a busy machine attention's ops can fall below the tenth
+    profile = step_profile.summarise(events, compiled.as_text(), calls=2, top=None)
     assert sum(k["share"] for k in profile["by_kind"]) == pytest.approx(1)
     assert {k["name"] for k in profile["by_kind"]} >= {"matmul", "other"}
     sources = {s["name"] for s in profile["by_source"]}
