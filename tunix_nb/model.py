@@ -43,8 +43,9 @@ class Llama3RopeScaling:
 REMAT_POLICIES = ("full", "save_attention", "save_projections")  # ModelConfig.remat_policy: `checkpoint_policy`
 # the name the blocks give the outputs of their q, k, v, attention-output, gate and up projections
 # (`jax.ad_checkpoint.checkpoint_name`), which remat's "save_projections" policy keeps: the backward
-# pass then recomputes only elementwise ops (norms, RoPE, SiLU) from them, no matmul. The down
-# projection's output is not named: its gradient needs only its input.
+# pass then recomputes no projection, only elementwise ops (norms, RoPE, SiLU) and, where splash
+# does not run, XLA attention's two einsums. The down projection's output is not named: its
+# gradient needs only its input.
 PROJECTIONS = "projection_outputs"
 
 
@@ -86,7 +87,7 @@ class ModelConfig:
     # softmax statistics, so the backward kernels run without a second forward kernel (one
     # [B, H, L, D] array and one [B, H, L] per block). Only the splash kernel names them.
     # "save_projections" keeps those and every projection's output but the MLP's last (`PROJECTIONS`):
-    # no matmul is recomputed, for about 11k more values per token per block.
+    # no projection is recomputed, for Qwen3-0.6B about 11k more values per token per block.
     remat_policy: str = "full"
 
     def __post_init__(self):

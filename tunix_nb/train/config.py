@@ -192,7 +192,8 @@ class TrainingConfig:
                                     "[batch, heads, length, head_dim] array more per block; only with "
                                     "--attention splash); save_projections keeps those and the q, k, v, "
                                     "attention-output, gate and up projections' outputs, so the backward pass "
-                                    "recomputes no matmul (about 11k values more per token and block)")
+                                    "recomputes no projection (for Qwen3-0.6B about 11k values more per token "
+                                    "and block)")
     scan_layers: bool = option(False, switch=True, run_defining=False,
                                help="run the blocks as one scan and train their parameters stacked on a layer "
                                     "axis: the compiled step holds one block instead of one per layer and the "
