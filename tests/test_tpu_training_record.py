@@ -727,3 +727,23 @@ def test_the_chips_full_bench_is_stored_beside_the_cpus():
     assert f"`compile_share` {figures['compile_share']:.0f}" in notes
     log = (HERE / "logs_bench_quick_bd3ac9e" / "bench.log").read_text()
     assert all(f"{name}: {value:.3f}" in log for name, value in figures.items())
+
+
+def test_the_summary_record_is_what_its_script_writes():
+    """results/tpu_v5e_training.json, the issue's answers in one record, stays in step with the
+    records it reads (run `python results/tpu_v5e_training/summary.py --out
+    results/tpu_v5e_training.json` after changing one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("summary", HERE / "summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    stored = json.loads((HERE.parent / "tpu_v5e_training.json").read_text())
+    assert stored == json.loads(json.dumps(summary.summary()))
+    assert all(r["step_compiles"] == 1 and r["xla_compile_seconds"] <= 30
+               for r in stored["compile_once_within_30_s"].values())
+    assert stored["fit_or_oom"]["lora"]["agrees"] and stored["fit_or_oom"]["full"]["agrees"]
+    assert stored["kit_over_tunix"]["kit_save_projections"]["step_met"]
+    assert not stored["kit_over_tunix"]["kit_default_remat_policy"]["step_met"]
+    assert not stored["mfu"]["full"]["met"] and not stored["mfu"]["lora_r16"]["met"]
+    assert all(r["versions"]["libtpu"] == "0.0.42.1" for r in stored["compile_once_within_30_s"].values())
