@@ -54,7 +54,7 @@ with open(sys.argv[1], 'w') as f:
 trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
 # the loss's positions all at once by default (faster on the chip: README "Remedies"); SEQ_CHUNK=256 as before b83fc32
 seq_chunk=(); [ -n "${SEQ_CHUNK:-}" ] && [ "$SEQ_CHUNK" != none ] && seq_chunk=(--seq-chunk "$SEQ_CHUNK")
-# REMAT_POLICY=save_attention keeps splash attention's output through remat (--remat-policy; default full)
+# REMAT_POLICY: what remat keeps (--remat-policy: full, the default, save_attention or save_projections)
 remat_policy=(); [ -n "${REMAT_POLICY:-}" ] && remat_policy=(--remat-policy "$REMAT_POLICY")
 common=(sft --train-file "$work/rows.jsonl" --max-length "$((length + 1))"
         --batch-size "$batch" --steps "$steps" --remat "${remat_policy[@]}" --compute-dtype bfloat16
