@@ -11,6 +11,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -180,6 +181,49 @@ def test_compiled_chunked_sft_step_has_no_full_logits():
     too_big = [s for s in compiled_shapes(**CHUNKS) if np.prod(s) >= B * L * V]  # [B, L, V], [B * L, V], ...
     assert not too_big, too_big
     assert (B, L, V) in compiled_shapes()  # the reference path does build them
+
+
+def head_products(jaxpr, size):
+    """How many matrix products in `jaxpr` (scans' bodies included) give a chunk's logits [..., size]."""
+    count = sum(eqn.outvars[0].aval.shape[-1:] == (size,) for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general")
+    return count + sum(head_products(sub, size) for sub in jax.extend.core.subjaxprs(jaxpr))
+
+
+def test_the_forward_pass_runs_the_head_once_per_chunk():
+    """The online softmax: one pass over the vocabulary finds the max and the sum together (a
+    max pass before the sum pass ran the head's product twice)."""
+    hidden = jax.random.normal(jax.random.key(0), (2, 6, 32))
+    head = model.OutputHead(None, jax.random.normal(jax.random.key(1), (V, 32)), None)
+    targets = jnp.zeros((2, 6), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda h: vocab_chunks.sft_loss(h, head, targets, jnp.ones((2, 6)),
+                                                          chunks=vocab_chunks.Chunking(100))[0])(hidden)
+    assert head_products(jaxpr.jaxpr, 100) == 1
+
+
+def test_online_softmax_where_the_max_rises_chunk_after_chunk():
+    """Logits that grow along the vocabulary by hundreds (exp would overflow without the
+    rescaling): each chunk raises the running max, and log-probs and gradients stay
+    `jax.nn.log_softmax`'s."""
+    D = 8
+    hidden = jax.random.normal(jax.random.key(0), (2, 5, D))
+    weight = jax.random.normal(jax.random.key(1), (V, D)) + (jnp.arange(V)[:, None] / 2.0)
+    head = model.OutputHead(None, weight, None)
+    targets = jax.random.randint(jax.random.key(2), (2, 5), 0, V)
+    mask = jnp.ones((2, 5))
+
+    def chunked(h):
+        return vocab_chunks.token_log_probs(h, head, targets, mask, chunks=vocab_chunks.Chunking(64))
+
+    def reference(h):
+        with jax.default_matmul_precision("highest"):
+            return losses.token_log_probs(jnp.einsum("bld,vd->blv", h, weight), targets)
+
+    with jax.default_matmul_precision("highest"):
+        got, want = chunked(hidden), reference(hidden)
+        assert np.all(np.isfinite(got)) and float(jnp.max(jnp.abs(want))) > 100
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(jax.grad(lambda h: chunked(h).sum())(hidden),
+                                   jax.grad(lambda h: reference(h).sum())(hidden), rtol=1e-4, atol=1e-4)
 
 
 def test_loss_positions_only_get_logits():

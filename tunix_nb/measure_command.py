@@ -212,8 +212,9 @@ def compile_log():
         jax.monitoring.unregister_event_listener(log.on_event)
 
 
-def step_profile_of(trace_dir, hlo_text: str, traced_steps: int) -> dict:
-    """The traced steps' ops (per step) and the device's idle time between steps."""
+def step_profile_of(trace_dir, hlo_text: str, traced_steps: int, top: int = 10) -> dict:
+    """The traced steps' ops (per step; the `top` slowest ops and sources) and the device's idle
+    time between steps."""
     from tunix_nb import step_profile
 
     events = step_profile.trace_events(trace_dir)
@@ -221,13 +222,15 @@ def step_profile_of(trace_dir, hlo_text: str, traced_steps: int) -> dict:
     # where the device has a line of whole programs: the steps' worth it ran in the window (the
     # first and last runs may be cut by the window's edges, so not their count); else the steps asked for
     calls = sum(gaps["run_seconds"]) / max(gaps["run_seconds"]) if gaps else traced_steps
-    return {"traced_steps": calls, "ops": step_profile.summarise(events, hlo_text, calls=calls),
+    return {"traced_steps": calls, "ops": step_profile.summarise(events, hlo_text, calls=calls, top=top),
             "programs": gaps, "trace_lines": step_profile.lines_summary(events)}
 
 
-def measure(command_argv: list[str], *, trace_steps: int = 0, trace_dir: str | None = None) -> dict:
+def measure(command_argv: list[str], *, trace_steps: int = 0, trace_dir: str | None = None, trace_top: int = 10
+            ) -> dict:
     """Run the training command with `command_argv` in this process; its measurements. With
-    `trace_steps`, a profile of that many steps after the warm-up (kept in `trace_dir` if given)."""
+    `trace_steps`, a profile of that many steps after the warm-up (kept in `trace_dir` if given),
+    naming its `trace_top` slowest ops and sources."""
     import tempfile
 
     from tunix_nb import cli
@@ -250,7 +253,8 @@ def measure(command_argv: list[str], *, trace_steps: int = 0, trace_dir: str | N
         xla["compiled_again"] = bool(compiles.of(STEP_PROGRAM, "xla_compile", since=run_records))
         xla["persistent_cache_hit"] = compiles.cache_hits > hits_before
         compiles.records = compiles.records[:run_records]
-        profile = step_profile_of(recorder.trace_dir, xla.pop("hlo_text"), trace_steps) if trace_steps else None
+        profile = (step_profile_of(recorder.trace_dir, xla.pop("hlo_text"), trace_steps, trace_top)
+                   if trace_steps else None)
     return {**summary(command_argv, config, recorder, compiles, xla, wall), "profile": profile}
 
 
@@ -322,11 +326,13 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="profile this many steps after the warm-up (default 0: no profile)")
     parser.add_argument("--trace-dir", help="keep the profiler's trace there (TensorBoard, Perfetto)")
+    parser.add_argument("--trace-top", type=int, default=10,
+                        help="how many of the slowest ops and sources the profile names (default 10)")
     args = parser.parse_args(ours)
     if not command:
         parser.error("give the training command after --, e.g. -- sft --model DIR --steps 15")
     try:
-        result = measure(command, trace_steps=args.trace_steps, trace_dir=args.trace_dir)
+        result = measure(command, trace_steps=args.trace_steps, trace_dir=args.trace_dir, trace_top=args.trace_top)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,15 +7,16 @@ or a divergence summed over the vocabulary. So the functions here take the final
 states [B, L, D] (`model.hidden_states`) and the output head (`model.output_head`) and
 compute logits a chunk at a time:
 
-- over the vocabulary, `vocab_chunk` entries at a time: a first pass, without gradient,
-  finds each position's max logit (the shift); a second sums exp(logit - max) and picks
-  the target's logit, so log p = (logit - max) - log(sum), `jax.nn.log_softmax`'s own
-  formula and gradient; a third, for a divergence or the entropy, recomputes each
-  chunk's log-probs from these normalisers and sums that chunk's terms. Each pass is a
-  `lax.scan` whose body is under `jax.checkpoint`, so the backward pass recomputes each
-  chunk's logits too: no array larger than [B, L or seq_chunk, vocab_chunk] exists,
-  forward or backward. The price is compute: the head's product runs 2 (SFT) or 3
-  (distillation) times forward, and once more in the backward pass, instead of once.
+- over the vocabulary, `vocab_chunk` entries at a time: one pass keeps each position's
+  running max logit (the shift) and the sum of exp(logit - max), rescaled whenever the
+  max rises (the online softmax), and picks the target's logit, so log p = (logit - max)
+  - log(sum), `jax.nn.log_softmax`'s own formula and gradient; a second, for a divergence
+  or the entropy, recomputes each chunk's log-probs from these normalisers and sums that
+  chunk's terms. Each pass is a `lax.scan` whose body is under `jax.checkpoint`, so the
+  backward pass recomputes each chunk's logits too: no array larger than [B, L or
+  seq_chunk, vocab_chunk] exists, forward or backward. The price is compute: the head's
+  product runs 1 (SFT) or 2 (distillation) times forward, and once more in the backward
+  pass, instead of once.
 - over positions, `seq_chunk` per row at a time (`None`: all at once). Each row's
   loss positions (mask != 0) are first gathered to the front of the row, in order,
   and a chunk where no row has a loss position left is skipped (`lax.cond`): the
@@ -122,9 +123,12 @@ def _scaled_logits(h_s, head_s, h_t, head_t, with_t1, temperature, start, size):
 def _log_normalisers(h_s, head_s, h_t, head_t, targets, temperature, size):
     """({name: (max, log of the sum of exp(x - max))} per position, the target's raw logit).
 
-    Two passes over the vocabulary. Pass 1, without gradient: the max, the shift. Pass 2:
-    the sum of exp(x - max), and the target's logit. log p = (x - max) - log(sum) is the
-    formula of `jax.nn.log_softmax`, with the same gradient (the softmax) to rounding.
+    One pass over the vocabulary, the online softmax of flash attention: each chunk raises
+    the running max where its logits exceed it, and the running sum is rescaled to the new
+    max, sum' = sum * exp(max - max') + the chunk's sum of exp(x - max'). The max is held
+    without gradient: log p = (x - max) - log(sum) is the same for any shift, and its
+    gradient, taken through the rescaled sums, is the softmax, as `jax.nn.log_softmax`'s.
+    One pass, not a max pass and then a sum pass: the head's product runs once fewer.
     """
     V = head_s.weight_VxD.shape[0]
     n = -(-V // size)
@@ -132,27 +136,26 @@ def _log_normalisers(h_s, head_s, h_t, head_t, targets, temperature, size):
     lead = h_s.shape[:-1]
     with_t1 = targets is not None
     names = ["student"] + (["student_t1"] if with_t1 else []) + (["teacher"] if h_t is not None else [])
-    frozen_head = head_s._replace(weight_VxD=sg(head_s.weight_VxD))
 
-    def max_body(carry, c):
-        start, _, valid_S = _vocab_chunk_at(c, V, size)
-        x = _scaled_logits(sg(h_s), frozen_head, h_t, head_t, with_t1, temperature, start, size)
-        return {k: jnp.maximum(carry[k], jnp.max(jnp.where(valid_S, x[k], -jnp.inf), axis=-1)) for k in names}, None
-
-    max_ = jax.tree.map(sg, _scan_vocab(max_body, {k: jnp.full(lead, -jnp.inf) for k in names}, n))
-
-    def sum_body(carry, c):
+    def body(carry, c):
         start, ids_S, valid_S = _vocab_chunk_at(c, V, size)
         x = _scaled_logits(h_s, head_s, h_t, head_t, with_t1, temperature, start, size)
-        out = {k: carry[k] + jnp.sum(jnp.where(valid_S, jnp.exp(x[k] - max_[k][..., None]), 0.0), axis=-1)
-               for k in names}
+        out = {}
+        for k in names:
+            max_, sum_ = carry[k]
+            new_max = jnp.maximum(max_, sg(jnp.max(jnp.where(valid_S, x[k], -jnp.inf), axis=-1)))
+            chunk_sum = jnp.sum(jnp.where(valid_S, jnp.exp(x[k] - new_max[..., None]), 0.0), axis=-1)
+            out[k] = (new_max, sum_ * jnp.exp(max_ - new_max) + chunk_sum)
         if with_t1:
             hit = valid_S & (ids_S == targets[..., None])
             out["target"] = carry["target"] + jnp.sum(jnp.where(hit, x["student_t1"], 0.0), axis=-1)
         return out, None
 
-    sums = _scan_vocab(sum_body, {k: jnp.zeros(lead) for k in names + (["target"] if with_t1 else [])}, n)
-    return {k: (max_[k], jnp.log(sums[k])) for k in names}, sums.get("target")
+    init = {k: (jnp.full(lead, -jnp.inf), jnp.zeros(lead)) for k in names}
+    if with_t1:
+        init["target"] = jnp.zeros(lead)
+    stats = _scan_vocab(body, init, n)
+    return {k: (stats[k][0], jnp.log(stats[k][1])) for k in names}, stats.get("target")
 
 
 def _divergence(kind, logp_s, logp_t, beta, where=None):

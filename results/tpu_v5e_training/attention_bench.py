@@ -2,6 +2,7 @@
 item 5): which remedy the profile's two slow parts have, measured before one is built.
 
     python results/tpu_v5e_training/attention_bench.py --out FILE [--batch 8 --length 1024 --repeats 10]
+    python results/tpu_v5e_training/attention_bench.py --out FILE --only splash_b512,full_logits  # some variants
     python results/tpu_v5e_training/attention_bench.py --check     # on a CPU: every variant's
         output and gradients against the kit's `model.attend` at small shapes (Pallas in interpret mode)
 
@@ -52,6 +53,26 @@ def kit_mask(seg_BxL):
         seg_BxL > 0)[:, None, :]
 
 
+def splash_block_choices(length: int) -> dict:
+    """name -> splash.BlockSizes beyond one block size everywhere: the fused backward kernel (dq,
+    dk and dv in one pass over the blocks) and blocks of the whole length (no causal skip, fewer
+    grid steps), each where the length allows."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    def sizes(q, kv, fused):
+        dq = {} if fused else {"block_q_dq": q, "block_kv_dq": kv}
+        return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv, block_q_dkv=q, block_kv_dkv=kv,
+                                 block_kv_dkv_compute=kv, use_fused_bwd_kernel=fused, **dq)
+
+    choices = {}
+    for q, kv in ((512, 512), (512, 1024), (1024, 512), (1024, 1024), (256, 512)):
+        if length % q == 0 and length % kv == 0 and max(q, kv) <= length:
+            if (q, kv) != (512, 512):
+                choices[f"q{q}_kv{kv}"] = sizes(q, kv, False)
+            choices[f"q{q}_kv{kv}_fused"] = sizes(q, kv, True)
+    return choices
+
+
 def attention_variants(interpret: bool, length: int) -> dict:
     """name -> f(q [B,L,H,D], k [B,L,K,D], v [B,L,K,D], seg [B,L]) -> [B,L,H,D]."""
     import jax
@@ -75,9 +96,10 @@ def attention_variants(interpret: bool, length: int) -> dict:
     def xla_dpa(q, k, v, seg):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
-    def splash_kernel(block: int, mqa: bool, heads: int):
-        sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                  block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    def splash_kernel(block, mqa: bool, heads: int):
+        sizes = block if isinstance(block, splash.BlockSizes) else splash.BlockSizes(
+            block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
         mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
         make = splash.make_splash_mqa_single_device if mqa else splash.make_splash_mha_single_device
         return make(mask, block_sizes=sizes, interpret=interpret)
@@ -121,6 +143,9 @@ def attention_variants(interpret: bool, length: int) -> dict:
         if length % block == 0:
             variants[f"splash_b{block}"] = splash_mha(block)
             variants[f"splash_mqa_b{block}"] = splash_mqa(block)
+    for name, sizes in splash_block_choices(length).items():  # the block tuning (README "Splash's blocks")
+        variants[f"splash_{name}"] = splash_mha(sizes)
+        variants[f"splash_mqa_{name}"] = splash_mqa(sizes)
     if not interpret:  # flash_attention's interpret path is not a flag of its public function
         variants["flash"] = flash_mha
     return variants
@@ -171,8 +196,10 @@ def loss_variants() -> dict:
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), t[..., None], axis=-1)[..., 0]
         return -jnp.sum(logp * m) / jnp.sum(m)
 
-    return {"kit_chunks_8192_256": chunked(8192, 256), "kit_chunks_8192": chunked(8192, None),
-            "full_logits": full_logits}
+    variants = {"kit_chunks_8192_256": chunked(8192, 256), "full_logits": full_logits}
+    for size in (8192, 16384, VOCAB // 4, VOCAB // 2):  # bigger chunks: fewer, longer matmuls
+        variants[f"kit_chunks_{size}"] = chunked(size, None)
+    return variants
 
 
 def timed(fn, args, repeats: int) -> dict:
@@ -193,17 +220,27 @@ def timed(fn, args, repeats: int) -> dict:
             "seconds": seconds, "peak_bytes": memory_of(compiled)["peak_bytes"]}
 
 
+def chosen(variants: dict, only: list[str] | None, keep: str | None = None) -> dict:
+    """The variants named in `only` (all where None), and `keep` (the reference) always."""
+    if only is None:
+        return variants
+    unknown = set(only) - set(variants) - set(loss_variants()) - set(attention_variants(True, 1024)) - {"kit"}
+    if unknown:
+        raise SystemExit(f"--only: no variant named {sorted(unknown)}")
+    return {name: f for name, f in variants.items() if name in only or name == keep}
+
+
 def bench(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    B, L = args.batch, args.length
+    B, L = args.batch, args.length or 1024
     inputs = attention_inputs(B, L, jnp.bfloat16)
     # the causal half of QK^T and PV (2 products of 2*B*H*L*L*D/2), forward and twice that backward
     attention_flops = 3 * 2 * 2 * B * HEADS * L * L * HEAD_SIZE / 2
     record = {"batch": B, "length": L, "heads": HEADS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE,
               "attention_useful_flops": attention_flops, "attention": {}, "loss": {}}
-    for name, attention in attention_variants(False, L).items():
+    for name, attention in chosen(attention_variants(False, L), args.only).items():
         try:
             record["attention"][name] = timed(value_and_grads(attention), inputs, args.repeats)
             record["attention"][name]["useful_tflops"] = attention_flops / record["attention"][name]["median_seconds"] / 1e12
@@ -217,7 +254,7 @@ def bench(args) -> dict:
     mask = segment_ids(B, L).astype(jnp.float32)
     loss_flops = 3 * 2 * B * L * D_MODEL * VOCAB  # the head's product forward, and its two gradients
     record["loss_useful_flops"] = loss_flops
-    for name, loss in loss_variants().items():
+    for name, loss in chosen(loss_variants(), args.only).items():
         grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         try:
             record["loss"][name] = timed(grad, (hidden, head, targets, mask), args.repeats)
@@ -228,7 +265,7 @@ def bench(args) -> dict:
     return record
 
 
-def check() -> dict:
+def check(only: list[str] | None = None, length: int = 256) -> dict:
     """At small shapes, each variant's output and gradients against `kit` (float32 inputs, the
     Pallas kernels interpreted): the largest relative distance per variant. The cotangent is 0 on
     padded queries, so the value and the gradients read real queries' outputs only."""
@@ -237,9 +274,9 @@ def check() -> dict:
     import numpy as np
 
     with jax.default_matmul_precision("highest"):
-        inputs = attention_inputs(2, 256, jnp.float32)
+        inputs = attention_inputs(2, length, jnp.float32)
         results = {}
-        for name, attention in attention_variants(True, 256).items():
+        for name, attention in chosen(attention_variants(True, length), only, keep="kit").items():
             value, grads = value_and_grads(attention)(*inputs)
             results[name] = (np.asarray(value), [np.asarray(g) for g in grads])
     reference = results["kit"]
@@ -261,13 +298,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--length", type=int, help="default 1024; 256 with --check")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--only", type=lambda text: text.split(","), help="comma-separated variant names")
     args = parser.parse_args(argv)
     if args.check:
         record = {"script": "results/tpu_v5e_training/attention_bench.py --check", "jax": jax_version(),
-                  "relative_distance_to_kit": check()}
+                  "length": args.length or 256,
+                  "relative_distance_to_kit": check(args.only, args.length or 256)}
         print(json.dumps(record, indent=1))
         if args.out:
             args.out.write_text(json.dumps(record, indent=1) + "\n")

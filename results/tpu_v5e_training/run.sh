@@ -16,7 +16,8 @@
 #   VOCAB_CHUNK=none computes the loss over the full logits (--vocab-chunk; default auto: chunks of 8192)
 #   REMAT_POLICY=save_attention keeps splash attention's output through remat (--remat-policy), for every run;
 #   save_projections also the projections' outputs
-#   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes)
+#   TRACE_STEPS=3 profiles 3 steps after the warm-up (measure_command --trace-steps: where the step's time goes);
+#   TRACE_TOP=40 names the 40 slowest ops and sources in it (--trace-top; default 10)
 #   "fit_or_oom": the largest batch that fits, by running the command from the plan's answer outwards
 #   (fit_or_oom.py; the plan: largest_batch_plan.json); its record is $OUT/fit_or_oom.json
 #   "tunix_lora_r16": Tunix 0.1.7's own Qwen3 and PeftTrainer beside the kit's LoRA r16 command, in one process
@@ -51,7 +52,7 @@ with open(sys.argv[1], 'w') as f:
     for _ in range(256):  # more rows than the largest batch fit_or_oom tries
         f.write(json.dumps({'text': ' '.join(rng.choice(words) for _ in range(int(sys.argv[2]) // 2))}) + '\n')
 " "$work/rows.jsonl" "$length"
-trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS")
+trace=(); [ -n "${TRACE_STEPS:-}" ] && trace=(--trace-steps "$TRACE_STEPS" --trace-top "${TRACE_TOP:-10}")
 # the loss's positions all at once by default (faster on the chip: README "Remedies"); SEQ_CHUNK=256 as before b83fc32
 seq_chunk=(); [ -n "${SEQ_CHUNK:-}" ] && [ "$SEQ_CHUNK" != none ] && seq_chunk=(--seq-chunk "$SEQ_CHUNK")
 # REMAT_POLICY: what remat keeps (--remat-policy: full, the default, save_attention or save_projections)
