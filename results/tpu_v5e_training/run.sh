@@ -34,6 +34,7 @@ else
     batch="${BATCH:-8}"; length="${LENGTH:-1024}"; steps="${STEPS:-15}"  # BATCH=16 RUNS=full: a bigger batch
 fi
 : "${OUT:?set OUT to the folder the record goes to}"
+mkdir -p "$OUT"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 export TUNIX_NB_COMPILE_CACHE="$work/jax_cache"  # a cold cache: the compile is measured, not read back
