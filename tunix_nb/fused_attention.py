@@ -89,7 +89,8 @@ def lowering_for(platform: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(length: int, heads: int, interpret: bool):
+def _kernel(length: int, group: int, interpret: bool):
+    """Splash's multi-query kernel over one key/value head and the `group` query heads that share it."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     size = block_size(length)
@@ -97,9 +98,9 @@ def _kernel(length: int, heads: int, interpret: bool):
     # backward's forward-and-backward time on the v5e (attention_bench.py, README "Splash's blocks")
     blocks = splash.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
                                block_kv_dkv=size, block_kv_dkv_compute=size, use_fused_bwd_kernel=True)
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * group)
     with jax.ensure_compile_time_eval():  # its block tables as constants: the cache outlives the trace
-        return splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret,
+        return splash.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret,
                                                     residual_checkpoint_name=RESIDUALS)
 
 
@@ -112,11 +113,14 @@ def attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL):
     if not applies(q_BxLxHxD, k_BxLxKxD):
         raise ValueError(f"splash attention needs a length divisible by one of {BLOCK_SIZES} and a head size "
                          f"divisible by {LANES}; got queries {q_BxLxHxD.shape} and keys {k_BxLxKxD.shape}")
-    group = H // k_BxLxKxD.shape[2]
-    # the kernel does not scale the scores; [H, L, D] per example
-    q_BxHxLxD = jnp.swapaxes(q_BxLxHxD / jnp.sqrt(D).astype(q_BxLxHxD.dtype), 1, 2)
-    k_BxHxLxD, v_BxHxLxD = (jnp.swapaxes(jnp.repeat(x, group, axis=2), 1, 2) for x in (k_BxLxKxD, v_BxLxKxD))
-    kernel = _kernel(L, H, (_lowering_platform.get() or jax.default_backend()) != "tpu")
+    K = k_BxLxKxD.shape[2]
+    group = H // K
+    # the kernel does not scale the scores; per example and key/value head: its group's queries
+    # [G, L, D] against one [L, D] of keys and values, so no head is repeated in memory
+    q_BxKxGxLxD = (q_BxLxHxD / jnp.sqrt(D).astype(q_BxLxHxD.dtype)).reshape(B, L, K, group, D).transpose(0, 2, 3, 1, 4)
+    k_BxKxLxD, v_BxKxLxD = (jnp.swapaxes(x, 1, 2) for x in (k_BxLxKxD, v_BxLxKxD))
+    kernel = _kernel(L, group, (_lowering_platform.get() or jax.default_backend()) != "tpu")
     ids = jax.vmap(lambda s: splash.SegmentIds(q=s, kv=s))(segment_ids_BxL.astype(jnp.int32))
-    out_BxHxLxD = jax.vmap(kernel)(q_BxHxLxD, k_BxHxLxD, v_BxHxLxD, segment_ids=ids)
-    return jnp.swapaxes(out_BxHxLxD, 1, 2)
+    per_kv_head = jax.vmap(kernel, in_axes=(0, 0, 0, None))
+    out_BxKxGxLxD = jax.vmap(per_kv_head)(q_BxKxGxLxD, k_BxKxLxD, v_BxKxLxD, ids)
+    return out_BxKxGxLxD.transpose(0, 3, 1, 2, 4).reshape(B, L, H, D)
