@@ -7,7 +7,8 @@ diagonal is computed and then masked. On a TPU v5e at Qwen3-0.6B's shapes (8 x 1
 the step's time (results/tpu_v5e_training/README.md). Splash attention (JAX's
 `jax.experimental.pallas.ops.tpu.splash_attention`) keeps each block of scores on the chip,
 runs the softmax online (the flash-attention recurrence), and skips the blocks the causal
-mask removes whole: 27 TFLOP/s there with blocks of 512 (`attention_bench.py`).
+mask removes whole: 26 TFLOP/s there with blocks of 512, 32 with its fused backward kernel
+and one multi-query kernel per key/value head, which this module runs (`attention_bench.py`).
 
 What it computes is `model.attend`'s causal attention with a segment mask: a query sees the
 keys not after it that carry its segment id. Real tokens carry ids > 0 (1 for an unpacked
