@@ -98,3 +98,8 @@ def test_the_ops_divide_by_the_steps_worth_the_window_holds(tmp_path):
     profile = measure_command.step_profile_of(tmp_path, hlo, traced_steps=3)
     assert profile["traced_steps"] == pytest.approx(2.5) and profile["programs"]["runs"] == 3
     assert profile["ops"]["traced_seconds"] == pytest.approx(3 * 80e-6 / 2.5)
+    ops = profile["ops"]["ops"]
+    # --trace-top: how many of the slowest ops and sources the profile names
+    assert len(profile["ops"]["top_ops"]) == min(10, ops) and ops > 1
+    one = measure_command.step_profile_of(tmp_path, hlo, traced_steps=3, top=1)["ops"]
+    assert len(one["top_ops"]) == len(one["by_source"]) == 1 and one["top_ops"] == profile["ops"]["top_ops"][:1]

@@ -16,8 +16,8 @@ runs `python -m tunix_nb.train` in this process (`cli.main`) and watches it:
   recomputed forward, so XLA FLOPs / time / peak is hardware utilisation, not MFU.
 - where the time goes (`--trace-steps N`): a `jax.profiler` trace of N steps after the warm-up,
   read by `tunix_nb.step_profile`: the step's ops by kind (matmuls, layout copies, other) and by
-  the function they come from, the slowest ops, and the device's idle time between steps (time
-  it waited on the host).
+  the function they come from, the slowest ops (`--trace-top`, 10 by default), and the device's
+  idle time between steps (time it waited on the host).
 Needs `--parallel jit` (one device) and `--model` a preset or a local Hugging Face folder.
 """
 
