@@ -844,3 +844,21 @@ def test_the_fused_backward_notes_quote_the_records():
     assert (f"would take {at_peak:.3f} s at the peak (4 FLOPs per weight per token over {weights / 1e6:.1f}M "
             f"projection weights and 8,192 tokens), so their ops, which also hold the rank-16 products, run at "
             f"{100 * at_peak / adapted:.0f}% of it") in readme
+
+
+def test_the_cli_doc_quotes_the_fused_backward_records():
+    """docs/cli.md's --remat-policy and --vocab-chunk rows: full fine-tuning with save_projections
+    timed, and the bigger vocabulary chunks' step."""
+    doc = " ".join((HERE.parent.parent / "docs" / "cli.md").read_text().split())
+    runs = json.loads((HERE / FUSED).read_text())["runs"]
+    projections = runs["c94905c full_scan save_projections 8 vocab_chunk=auto"]
+    attention = runs["c94905c full_scan save_attention 8 vocab_chunk=auto"]
+    assert (f"that step fits ({projections['xla_memory']['peak_bytes'] / GB:.2f} GB) and takes "
+            f"{projections['median_step_seconds']:.3f} s against `save_attention`'s "
+            f"{attention['median_step_seconds']:.3f} s") in doc
+    auto, wide = (runs[f"ff4fda4 full_scan save_attention 8 vocab_chunk={v}"] for v in ("auto", "37984"))
+    assert (f"chunks of 37,984 (a quarter of the vocabulary) took the full fine-tuning step from "
+            f"{auto['median_step_seconds']:.3f} to {wide['median_step_seconds']:.3f} s") in doc
+    loss = json.loads((HERE / SPLASH_BENCH).read_text())["loss"]
+    assert (f"the loss alone peaks at {loss['kit_chunks_37984']['peak_bytes'] / GB:.2f} GB with them against "
+            f"{loss['kit_chunks_8192']['peak_bytes'] / GB:.2f} GB with 8192") in doc
