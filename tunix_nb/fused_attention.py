@@ -96,7 +96,8 @@ def _kernel(length: int, group: int, interpret: bool):
 
     size = block_size(length)
     # the fused backward kernel (dq, dk and dv in one pass over the blocks): 0.85 of the two-kernel
-    # backward's forward-and-backward time on the v5e (attention_bench.py, README "Splash's blocks")
+    # backward's forward-and-backward time on the v5e (results/tpu_v5e_training/README.md, "The
+    # fused backward and the online softmax")
     blocks = splash.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
                                block_kv_dkv=size, block_kv_dkv_compute=size, use_fused_bwd_kernel=True)
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * group)

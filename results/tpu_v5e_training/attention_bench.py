@@ -143,7 +143,8 @@ def attention_variants(interpret: bool, length: int) -> dict:
         if length % block == 0:
             variants[f"splash_b{block}"] = splash_mha(block)
             variants[f"splash_mqa_b{block}"] = splash_mqa(block)
-    for name, sizes in splash_block_choices(length).items():  # the block tuning (README "Splash's blocks")
+    # the block tuning (README, "The fused backward and the online softmax")
+    for name, sizes in splash_block_choices(length).items():
         variants[f"splash_{name}"] = splash_mha(sizes)
         variants[f"splash_mqa_{name}"] = splash_mqa(sizes)
     if not interpret:  # flash_attention's interpret path is not a flag of its public function
