@@ -82,22 +82,10 @@ def pytest_terminal_summary(terminalreporter):
 NBVAL_OUTPUT_TIMEOUT_S = 60
 
 
-# The longest files by CI's --durations (each lesson again on one device: about 8 minutes; the
-# bench's quick run: about 2.5), first: pytest-xdist's --dist loadfile hands out whole files in
-# collection order, so one of these handed out late would leave the other worker idle at the end.
-LONGEST_FILES_FIRST = ("tests/test_notebooks_single_device.py", "tests/test_bench.py")
-
-
-def _longest_first(item) -> int:
-    path = item.nodeid.split("::")[0]
-    return LONGEST_FILES_FIRST.index(path) if path in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if hasattr(item, "output_timeout"):
             item.output_timeout = NBVAL_OUTPUT_TIMEOUT_S
-    items.sort(key=_longest_first)  # stable: every other file keeps its place
 
 
 def pytest_configure(config):
