@@ -839,9 +839,8 @@ def test_the_fused_backward_notes_quote_the_records():
     assert (f"interception) {adapted:.3f} s, the loss's chunks {sources['vocab_chunks.py:_chunk_logits']:.3f} s, "
             f"splash's two programs {kernels:.3f} s, the scan's stores and reads of the kept outputs "
             f"{sources['model.py:_scan_blocks']:.3f} s, RoPE {sources['model.py:rope']:.3f} s") in readme
-    weights = 28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072)  # Qwen3-0.6B's projections
-    at_peak = 4 * weights * 8192 / PEAK
-    assert (f"would take {at_peak:.3f} s at the peak (4 FLOPs per weight per token over {weights / 1e6:.1f}M "
+    at_peak = 4 * LINEAR_PARAMS * TOKENS / PEAK
+    assert (f"would take {at_peak:.3f} s at the peak (4 FLOPs per weight per token over {LINEAR_PARAMS / 1e6:.1f}M "
             f"projection weights and 8,192 tokens), so their ops, which also hold the rank-16 products, run at "
             f"{100 * at_peak / adapted:.0f}% of it") in readme
 
