@@ -16,12 +16,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REMAT = "remat_policy_bd3ac9e.json"
-FUSED = "fused_backward_ff4fda4.json"
+ROPE = "rope_161045e.json"
 # the best timed step of each strategy (splash's fused backward and multi-query kernel, the loss's
-# online softmax, vocabulary chunks of a quarter of the vocabulary), and the command's defaults
-# (remat policy "full", --vocab-chunk auto), last timed at bd3ac9e, on the chip
-BEST = {"full": (FUSED, "ff4fda4 full_scan save_attention 8 vocab_chunk=37984"),
-        "lora_r16": (FUSED, "ff4fda4 lora_r16_scan save_projections 8 vocab_chunk=37984")}
+# online softmax, vocabulary chunks of a quarter of the vocabulary, RoPE in the compute dtype), and
+# the command's defaults (remat policy "full", --vocab-chunk auto), last timed at bd3ac9e, on the chip
+BEST = {"full": (ROPE, "161045e full_scan save_attention 8 vocab_chunk=37984"),
+        "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 8 vocab_chunk=37984")}
+# the same settings with rows of 2048: more MFU by the count, fewer tokens per second
+LONGER_ROWS = {"full": (ROPE, "161045e full_scan save_attention 4 length=2048 vocab_chunk=37984"),
+               "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 4 length=2048 vocab_chunk=37984")}
 DEFAULT = {"full": (REMAT, "full_scan full 8"), "lora_r16": (REMAT, "lora_r16_scan full 8")}
 MFU_TARGETS = {"full": 0.50, "lora_r16": 0.40}
 
@@ -36,22 +39,28 @@ def step_figures(file: str, key: str) -> dict:
     return {"record": f"results/tpu_v5e_training/{file}", "run": key, "command": run["command"],
             "versions": run["versions"], "step_compiles": run["step_compiles"],
             "xla_compile_seconds": run["step_compile_seconds"]["xla_compile"],
-            "median_step_seconds": run["median_step_seconds"], "mfu": run["mfu"],
-            "xla_peak_bytes": run["xla_memory"]["peak_bytes"]}
+            "batch": run["batch"], "seq_len": run["seq_len"], "median_step_seconds": run["median_step_seconds"],
+            "tokens_per_second": run["tokens_per_second"], "mfu": run["mfu"],
+            "mfu_causal_halved": run["mfu_causal_halved"], "xla_peak_bytes": run["xla_memory"]["peak_bytes"]}
 
 
 def mfu_answer(strategy: str) -> dict:
     best, default = step_figures(*BEST[strategy]), step_figures(*DEFAULT[strategy])
+    longer = step_figures(*LONGER_ROWS[strategy])
     return {"target": MFU_TARGETS[strategy], "met": best["mfu"] >= MFU_TARGETS[strategy], "best": best,
             "default_remat_policy": default,
+            # not the best batch x length: its MFU counts the masked half of twice the attention
+            "longer_rows_not_faster": {**longer, "faster": longer["tokens_per_second"] > best["tokens_per_second"]},
             "profile_and_remedies": "results/tpu_v5e_training/README.md: 'Where the step's time goes', "
-                                    "'Remedies', 'Remat policies', 'The fused backward and the online softmax'"}
+                                    "'Remedies', 'Remat policies', 'The fused backward and the online softmax', "
+                                    "'RoPE in the compute dtype, and Tunix again'"}
 
 
 def tunix_answer() -> dict:
     answers = {}
     for name, file in (("kit_default_remat_policy", "tunix_2b424e5.json"),
-                       ("kit_save_projections", "tunix_bd3ac9e.json")):
+                       ("kit_save_projections", "tunix_bd3ac9e.json"),
+                       ("kit_best", "tunix_161045e.json")):
         run = run_of(file, "tunix_lora_r16")
         answers[name] = {"record": f"results/tpu_v5e_training/{file}", "kit_command": run["kit"]["command"],
                          "versions": run["versions"], "kit_step_seconds": run["kit"]["step_seconds"],
@@ -60,7 +69,7 @@ def tunix_answer() -> dict:
                          "kit_over_tunix_peak_memory": run["kit_over_tunix_peak_memory"],
                          "step_met": run["kit_over_tunix_step"] <= 1.0,
                          "peak_met": run["kit_over_tunix_peak_memory"] <= 1.0}
-    return {"target": 1.0, **answers}
+    return {"target": 1.0, "aim": 0.9, "aim_met": answers["kit_best"]["kit_over_tunix_step"] <= 0.9, **answers}
 
 
 def fit_or_oom_answer() -> dict:
@@ -86,7 +95,7 @@ def bench_answer() -> dict:
 
 def summary() -> dict:
     return {"issue": 47, "chip": "TPU v5e (one chip, 15.75 GiB)",
-            "shapes": "Qwen3-0.6B's config with random weights, 8 x 1024 tokens, bfloat16 compute, remat, "
+            "shapes": "Qwen3-0.6B's config with random weights, 8 x 1024 tokens (each run says its batch and seq_len), bfloat16 compute, remat, "
                       "--scan-layers, splash attention (each run's command says its remat policy and "
                       "vocabulary chunks)",
             "runner": "results/tpu_v5e_training/run.sh (its README says how each record was made)",
