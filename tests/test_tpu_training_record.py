@@ -21,7 +21,8 @@ def speed_cells(r: dict) -> str:
 def row(name: str, file: str, run: str) -> str:
     record = json.loads((HERE / file).read_text())
     r = record["runs"][run]
-    return (f"| {name} | {record['commit'][:7]} | {r['step_compiles']} | {r['step_compile_seconds']['xla_compile']:.1f} "
+    commit = run.split()[0] if re.fullmatch(r"[0-9a-f]{7}", run.split()[0]) else record["commit"][:7]  # a run's own
+    return (f"| {name} | {commit} | {r['step_compiles']} | {r['step_compile_seconds']['xla_compile']:.1f} "
             f"{speed_cells(r)}| {r['xla_memory']['peak_bytes'] / 1e9:.2f} |")
 
 
@@ -128,7 +129,9 @@ DOC_ROWS = {"full_scan": ("scan_5b886db.json", "full_scan"), "lora_r16_scan": ("
             "full_scan, as above, RoPE in the compute dtype":
                 ("rope_161045e.json", "161045e full_scan save_attention 8 vocab_chunk=37984"),
             "lora_r16_scan, as above, RoPE in the compute dtype":
-                ("rope_161045e.json", "161045e lora_r16_scan save_projections 8 vocab_chunk=37984")}
+                ("rope_161045e.json", "161045e lora_r16_scan save_projections 8 vocab_chunk=37984"),
+            "lora_r16, the same, its blocks unrolled (no `--scan-layers`)":
+                ("rope_161045e.json", "efccfea lora_r16 save_projections 8 vocab_chunk=37984")}
 
 
 def test_docs_benchmarks_show_the_chips_records():
@@ -140,7 +143,7 @@ def test_docs_benchmarks_show_the_chips_records():
     run = json.loads((HERE / PROFILE).read_text())["runs"]["full_scan"]
     assert profile.strip().splitlines()[2:] == profile_rows(run)
     compile_seconds = {name: json.loads((HERE / file).read_text())["runs"][run]["step_compile_seconds"]["xla_compile"]
-                       for name, (file, run) in DOC_ROWS.items()}
+                       for name, (file, run) in DOC_ROWS.items() if "unrolled" not in name}  # the scanned steps
     full = sorted(v for k, v in compile_seconds.items() if k.startswith("full"))
     lora = sorted(v for k, v in compile_seconds.items() if k.startswith("lora"))
     prose = " ".join(doc.split())
@@ -296,6 +299,7 @@ def test_docs_benchmarks_quote_the_remedies():
     fused = json.loads((HERE / "fused_backward_ff4fda4.json").read_text())["runs"]
     rope = json.loads((HERE / "rope_161045e.json").read_text())["runs"]
     full, lora = (f"161045e {run} 8 vocab_chunk=37984" for run in ("full_scan save_attention", "lora_r16_scan save_projections"))
+    unrolled = rope["efccfea lora_r16 save_projections 8 vocab_chunk=37984"]
     assert (f"MFU rose to {runs['full_scan']['mfu']:.3f} (full) and {runs['lora_r16_scan']['mfu']:.3f} (LoRA r16); "
             f"with remat keeping more (`--remat-policy`, the bd3ac9e rows) to "
             f"{kept['full_scan save_attention 8']['mfu']:.3f} and {kept['lora_r16_scan save_projections 8']['mfu']:.3f}; "
@@ -304,7 +308,8 @@ def test_docs_benchmarks_quote_the_remedies():
             f"{fused['ff4fda4 lora_r16_scan save_projections 8 vocab_chunk=37984']['mfu']:.3f}; "
             f"with RoPE rotating in bfloat16 (the 161045e rows) to {rope[full]['mfu']:.3f} and {rope[lora]['mfu']:.3f}: "
             f"full fine-tuning meets its target of 0.50, LoRA r16 misses its 0.40 by "
-            f"{100 * (1 - rope[lora]['mfu'] / 0.40):.1f}%") in prose
+            f"{100 * (1 - rope[lora]['mfu'] / 0.40):.1f}%, and meets it with its blocks unrolled (the last row: "
+            f"{unrolled['mfu']:.3f}, after {unrolled['step_compile_seconds']['xla_compile']:.0f} s of XLA compile)") in prose
     assert rope[full]["mfu"] >= 0.50 > rope[lora]["mfu"]
     attention = json.loads((HERE / BENCH).read_text())["attention"]
     ratio = attention["kit"]["median_seconds"] / attention["splash_b512"]["median_seconds"]
@@ -766,7 +771,9 @@ def test_the_summary_record_is_what_its_script_writes():
     assert stored["fit_or_oom"]["lora"]["agrees"] and stored["fit_or_oom"]["full"]["agrees"]
     assert stored["kit_over_tunix"]["kit_save_projections"]["step_met"]
     assert not stored["kit_over_tunix"]["kit_default_remat_policy"]["step_met"]
-    assert stored["mfu"]["full"]["met"] and not stored["mfu"]["lora_r16"]["met"]
+    assert stored["mfu"]["full"]["met"] and stored["mfu"]["lora_r16"]["met"]
+    assert stored["mfu"]["full"]["best_with_scan_layers"]["met"] and not stored["mfu"]["lora_r16"]["best_with_scan_layers"]["met"]
+    assert "--scan-layers" not in stored["mfu"]["lora_r16"]["best"]["command"]
     assert not any(stored["mfu"][s]["longer_rows_not_faster"]["faster"] for s in ("full", "lora_r16"))
     assert stored["kit_over_tunix"]["aim_met"] and stored["kit_over_tunix"]["kit_best"]["peak_met"]
     assert all(r["versions"]["libtpu"] == "0.0.42.1" for r in stored["compile_once_within_30_s"].values())
@@ -900,7 +907,7 @@ def test_the_rope_table_is_the_record():
                     f"| {r['xla_memory']['peak_bytes'] / GB:.2f} |")
     assert table_of(readme, "rope chip") == rows
     logs = list((HERE / "logs_rope_161045e").iterdir()) + list((HERE / "logs_tunix_161045e").iterdir())
-    assert len(logs) == 7 and not any(re.search(r"/root|/tmp/|/opt/|/work/", f.read_text()) for f in logs)
+    assert len(logs) == 8 and not any(re.search(r"/root|/tmp/|/opt/|/work/", f.read_text()) for f in logs)
 
 
 def test_the_rope_notes_quote_the_records():
@@ -941,6 +948,19 @@ def test_the_rope_notes_quote_the_records():
     assert (f"the adapted projections {left['interception.py:_InterceptionManager._on_intercepted_called']:.3f} s, the "
             f"scan's stores {left['model.py:_scan_blocks']:.3f} s, the loss's chunks {left['vocab_chunks.py:_chunk_logits']:.3f} s, "
             f"and the ops with no source (splash's kernels and the transposes around them) {left['(no source)']:.3f} s") in readme
+    unrolled = runs["efccfea lora_r16 save_projections 8 vocab_chunk=37984"]
+    assert "--scan-layers" not in unrolled["command"] and "--scan-layers" in now[lora]["command"]
+    assert unrolled["mfu"] >= 0.40 and max(unrolled["step_seconds"]) - min(unrolled["step_seconds"]) < 0.0005
+    assert len(unrolled["step_seconds"]) == 8
+    compiles = [r["step_compile_seconds"]["xla_compile"] for r in (unrolled, now[lora])]
+    steps = [r["median_step_seconds"] for r in (unrolled, now[lora])]
+    assert (f"meets it: MFU {unrolled['mfu']:.3f} ({steps[0]:.4f} s)**, {steps[0] / steps[1]:.3f} of the scanned step's "
+            f"time, the same flags otherwise, the same peak ({unrolled['xla_memory']['peak_bytes'] / GB:.2f} GB), its "
+            f"8 timed steps within 0.0005 s of each other. The price is the compile: {compiles[0]:.1f} s of XLA compile "
+            f"against {compiles[1]:.1f} s") in readme
+    assert (f"puts {sources[1]['model.py:_scan_blocks']:.3f} s in the scan's own ops" in readme
+            and f"the unrolled step is {steps[1] - steps[0]:.3f} s shorter" in readme)
+    assert f"after {(compiles[0] - compiles[1]) / (steps[1] - steps[0]):,.0f} steps" in readme
     longer = [now[f"{run} 4 length=2048 vocab_chunk=37984"] for run in ("full_scan save_attention", "lora_r16_scan save_projections")]
     assert f"MFU rises ({longer[0]['mfu']:.3f} full, {longer[1]['mfu']:.3f} LoRA)" in readme
     assert (f"Tokens per second fall ({longer[0]['tokens_per_second']:,.0f} against {now[full]['tokens_per_second']:,.0f} full, "
@@ -970,3 +990,15 @@ def test_the_tunix_chip_run_at_161045e_is_quoted_from_its_record():
     assert f"as at bd3ac9e ({earlier:.4f} s)" in notes
     assert f"The margin over the aim, {100 * (0.9 - run['kit_over_tunix_step']):.1f}%" in notes
     assert run["tunix"]["step_compiles"] == 2
+
+
+def test_the_cli_doc_quotes_the_scans_step_cost():
+    doc = " ".join((HERE.parent.parent / "docs" / "cli.md").read_text().split())
+    runs = json.loads((HERE / ROPE).read_text())["runs"]
+    scanned = runs["161045e lora_r16_scan save_projections 8 vocab_chunk=37984"]
+    unrolled = runs["efccfea lora_r16 save_projections 8 vocab_chunk=37984"]
+    compiles = [r["step_compile_seconds"]["xla_compile"] for r in (scanned, unrolled)]
+    steps = [r["median_step_seconds"] for r in (scanned, unrolled)]
+    assert (f"compiled in {compiles[0]:.1f} s scanned against {compiles[1]:.1f} s unrolled, and took {steps[0]:.3f} s "
+            f"against {steps[1]:.3f} s, so a run of more than about "
+            f"{100 * round((compiles[1] - compiles[0]) / (steps[0] - steps[1]) / 100):,} steps finishes sooner unrolled") in doc

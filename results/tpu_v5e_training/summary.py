@@ -20,8 +20,11 @@ ROPE = "rope_161045e.json"
 # the best timed step of each strategy (splash's fused backward and multi-query kernel, the loss's
 # online softmax, vocabulary chunks of a quarter of the vocabulary, RoPE in the compute dtype), and
 # the command's defaults (remat policy "full", --vocab-chunk auto), last timed at bd3ac9e, on the chip
+# LoRA's best step has its blocks unrolled (the command's default): 0.87 of the scanned step's time,
+# after a compile of 2 minutes rather than 21 s; full fine-tuning was not timed unrolled so
 BEST = {"full": (ROPE, "161045e full_scan save_attention 8 vocab_chunk=37984"),
-        "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 8 vocab_chunk=37984")}
+        "lora_r16": (ROPE, "efccfea lora_r16 save_projections 8 vocab_chunk=37984")}
+BEST_SCANNED = {"full": BEST["full"], "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 8 vocab_chunk=37984")}
 # the same settings with rows of 2048: more MFU by the count, fewer tokens per second
 LONGER_ROWS = {"full": (ROPE, "161045e full_scan save_attention 4 length=2048 vocab_chunk=37984"),
                "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 4 length=2048 vocab_chunk=37984")}
@@ -47,7 +50,9 @@ def step_figures(file: str, key: str) -> dict:
 def mfu_answer(strategy: str) -> dict:
     best, default = step_figures(*BEST[strategy]), step_figures(*DEFAULT[strategy])
     longer = step_figures(*LONGER_ROWS[strategy])
+    scanned = step_figures(*BEST_SCANNED[strategy])
     return {"target": MFU_TARGETS[strategy], "met": best["mfu"] >= MFU_TARGETS[strategy], "best": best,
+            "best_with_scan_layers": {**scanned, "met": scanned["mfu"] >= MFU_TARGETS[strategy]},
             "default_remat_policy": default,
             # not the best batch x length: its MFU counts the masked half of twice the attention
             "longer_rows_not_faster": {**longer, "faster": longer["tokens_per_second"] > best["tokens_per_second"]},
