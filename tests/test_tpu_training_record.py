@@ -13,6 +13,14 @@ ROWS = {"full_scan": ("scan_5b886db.json", "full_scan"),
         "lora_r16_scan": ("scan_4068b73.json", "lora_r16_scan")}
 
 
+MACHINE_PATH = re.compile(r"/root|/tmp/|/opt/|/work/")  # none may appear in a stored record or log
+
+
+def flag_value(command: list[str], flag: str) -> str:
+    """The value a command line gives `flag`: its last occurrence's, as argparse reads it."""
+    return command[len(command) - command[::-1].index(flag)]
+
+
 def speed_cells(r: dict) -> str:
     """A run's median step, tokens per second and MFU, as the tables print them."""
     return f"| {r['median_step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | {r['mfu']:.3f} "
@@ -658,7 +666,7 @@ def test_the_remat_policies_chip_table_is_the_record():
         assert r["step_compiles"] == 1
         if "command" in r:  # the one run whose record was lost has its summary only
             assert r["device"]["kind"] == "TPU v5 lite" and r["batch"] == int(batch)
-            assert r["command"][r["command"].index("--remat-policy") + 1] == policy
+            assert flag_value(r["command"], "--remat-policy") == policy
     assert [key for key, r in runs.items() if "command" not in r] == ["lora_r16_scan save_attention 8"]
 
 
@@ -722,7 +730,7 @@ def test_the_tunix_chip_run_with_save_projections_is_quoted_from_its_record():
     block = readme[readme.index("<!-- begin tunix chip run bd3ac9e -->"):readme.index("<!-- end tunix chip run bd3ac9e -->")]
     notes = " ".join(block.split())
     kit = run["kit"]
-    assert kit["command"][kit["command"].index("--remat-policy") + 1] == "save_projections"
+    assert flag_value(kit["command"], "--remat-policy") == "save_projections"
     assert run["tunix"]["trained_params"] == kit["trained_params"] and run["device"]["kind"] == "TPU v5 lite"
     assert all(line in block for line in tunix_table_lines(run, step_digits=4, ratio_digits=3))
     assert run["kit_over_tunix_step"] <= 1.0 and run["kit_over_tunix_peak_memory"] <= 1.0
@@ -798,14 +806,14 @@ def test_the_fused_backward_tables_are_the_records():
         commit, run, policy, batch, vocab = key.split()
         vocab = vocab.split("=")[1]
         assert r["run_sh"].endswith(f"run.sh {commit}") and f"REMAT_POLICY={policy} " in r["run_sh"]
-        assert r["command"][r["command"].index("--vocab-chunk") + 1] == vocab and r["batch"] == int(batch)
+        assert flag_value(r["command"], "--vocab-chunk") == vocab and r["batch"] == int(batch)
         assert r["device"]["kind"] == "TPU v5 lite" and r["exit_code"] == 0 and r["step_compiles"] == 1
         rows.append(f"| {commit} | {run} | {policy} | {batch} | {vocab} {speed_cells(r)}"
                     f"| {r['xla_memory']['peak_bytes'] / GB:.2f} |")
     assert table_of(readme, "fused backward chip") == rows
     logs = HERE / "logs_fused_backward"
-    assert not any(re.search(r"/root|/tmp/|/opt/|/work/", f.read_text()) for f in logs.iterdir())
-    assert not re.search(r"/root|/tmp/|/opt/|/work/", (HERE / SPLASH_BENCH).read_text())
+    assert not any(MACHINE_PATH.search(f.read_text()) for f in logs.iterdir())
+    assert not MACHINE_PATH.search((HERE / SPLASH_BENCH).read_text())
 
 
 def test_the_fused_backward_notes_quote_the_records():
@@ -900,14 +908,14 @@ def test_the_rope_table_is_the_record():
         vocab = rest[-1].split("=")[1]
         assert r["run_sh"].endswith(f"run.sh {commit}") and f"REMAT_POLICY={policy} " in r["run_sh"]
         assert f"RUNS={run} " in r["run_sh"] and (length == "1024") == ("LENGTH=" not in r["run_sh"])
-        assert r["command"][r["command"].index("--vocab-chunk") + 1] == vocab
+        assert flag_value(r["command"], "--vocab-chunk") == vocab
         assert (r["batch"], r["seq_len"]) == (int(batch), int(length))
         assert r["device"]["kind"] == "TPU v5 lite" and r["exit_code"] == 0 and r["step_compiles"] == 1
         rows.append(f"| {run} | {policy} | {batch} x {length} | {vocab} {speed_cells(r)}| {r['mfu_causal_halved']:.3f} "
                     f"| {r['xla_memory']['peak_bytes'] / GB:.2f} |")
     assert table_of(readme, "rope chip") == rows
     logs = list((HERE / "logs_rope_161045e").iterdir()) + list((HERE / "logs_tunix_161045e").iterdir())
-    assert len(logs) == 8 and not any(re.search(r"/root|/tmp/|/opt/|/work/", f.read_text()) for f in logs)
+    assert len(logs) == 8 and not any(MACHINE_PATH.search(f.read_text()) for f in logs)
 
 
 def test_the_rope_notes_quote_the_records():
@@ -978,8 +986,8 @@ def test_the_tunix_chip_run_at_161045e_is_quoted_from_its_record():
     notes = " ".join(block.split())
     kit = run["kit"]
     assert record["commit"] == "161045e" and run["device"]["kind"] == "TPU v5 lite"
-    assert kit["command"][kit["command"].index("--remat-policy") + 1] == "save_projections"
-    assert kit["command"][len(kit["command"]) - 1 - kit["command"][::-1].index("--vocab-chunk") + 1] == "37984"
+    assert flag_value(kit["command"], "--remat-policy") == "save_projections"
+    assert flag_value(kit["command"], "--vocab-chunk") == "37984"
     assert run["tunix"]["trained_params"] == kit["trained_params"]
     assert all(line in block for line in tunix_table_lines(run, step_digits=4, ratio_digits=3))
     assert run["kit_over_tunix_step"] <= 0.9 and run["kit_over_tunix_peak_memory"] <= 1.0
