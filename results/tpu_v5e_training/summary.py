@@ -20,11 +20,12 @@ ROPE = "rope_161045e.json"
 # the best timed step of each strategy (splash's fused backward and multi-query kernel, the loss's
 # online softmax, vocabulary chunks of a quarter of the vocabulary, RoPE in the compute dtype), and
 # the command's defaults (remat policy "full", --vocab-chunk auto), last timed at bd3ac9e, on the chip
-# LoRA's best step has its blocks unrolled (the command's default): 0.87 of the scanned step's time,
-# after a compile of 2 minutes rather than 21 s; full fine-tuning was not timed unrolled so
-BEST = {"full": (ROPE, "161045e full_scan save_attention 8 vocab_chunk=37984"),
+# Both best steps have their blocks unrolled (the command's default): 0.87 (LoRA) and 0.97 (full) of
+# the scanned step's time, after a compile of over 2 minutes rather than about 20 s
+BEST = {"full": (ROPE, "5b5de38 full save_attention 8 vocab_chunk=37984"),
         "lora_r16": (ROPE, "efccfea lora_r16 save_projections 8 vocab_chunk=37984")}
-BEST_SCANNED = {"full": BEST["full"], "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 8 vocab_chunk=37984")}
+BEST_SCANNED = {"full": (ROPE, "161045e full_scan save_attention 8 vocab_chunk=37984"),
+                "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 8 vocab_chunk=37984")}
 # the same settings with rows of 2048: more MFU by the count, fewer tokens per second
 LONGER_ROWS = {"full": (ROPE, "161045e full_scan save_attention 4 length=2048 vocab_chunk=37984"),
                "lora_r16": (ROPE, "161045e lora_r16_scan save_projections 4 length=2048 vocab_chunk=37984")}
