@@ -137,19 +137,28 @@ def quick_group_alone(group, figure, tmp_path):
     return run, json.loads((tmp_path / "bench.json").read_text())["figures"][figure]
 
 
-def test_kv_cache_group_runs_alone(tmp_path):
-    """--only kv_cache measures the cached decoder against recomputing, each checked greedy."""
-    run, fig = quick_group_alone("kv_cache", "kv_cache_decode_speedup", tmp_path)
+def test_a_group_runs_alone(tmp_path):
+    """--only runs one group and writes its figures alone (vmap: one of the quickest groups)."""
+    run, fig = quick_group_alone("vmap", "vmap_speedup_over_loop", tmp_path)
+    figures = json.loads((tmp_path / "bench.json").read_text())["figures"]
+    assert set(figures) == {name for name, (group, *_) in bench.FIGURES.items() if group == "vmap"}
+    assert math.isfinite(fig["value"]) and fig["value"] > 0 and "vmap_speedup_over_loop: " in run.stdout
+
+
+def test_the_kv_cache_group_measures_the_cached_decoder_against_recomputing(quick_results):
+    """The cached decoder against recomputing, each checked greedy (from the quick run's figures)."""
+    _, results, stdout = quick_results
+    fig = results["figures"]["kv_cache_decode_speedup"]
     assert math.isfinite(fig["value"]) and fig["value"] > 0
     assert fig["greedy_checked"] and set(fig["curve"]) == {str(data.MAX_NEW_TOKENS), "32"}
     for point in fig["curve"].values():
         assert point["cached_tokens_per_second"] > 0 and point["recompute_tokens_per_second"] > 0
-    assert "kv_cache_decode_speedup: " in run.stdout
+    assert "kv_cache_decode_speedup: " in stdout
 
 
-def test_grpo_group_splits_a_step_into_rollout_and_update(tmp_path):
-    """--only grpo times GRPO steps from the shipped SFT student: the rollout's share of each."""
-    _, fig = quick_group_alone("grpo", "grpo_rollout_share", tmp_path)
+def test_grpo_group_splits_a_step_into_rollout_and_update(quick_results):
+    """GRPO steps from the shipped SFT student: the rollout's share of each (from the quick run)."""
+    fig = quick_results[1]["figures"]["grpo_rollout_share"]
     assert 0 < fig["value"] < 1
     assert fig["rollout_seconds"] > 0 and fig["update_seconds"] > 0
     # the median of the steps' shares, stored with their spread
