@@ -1020,20 +1020,22 @@ def test_the_tunix_chip_run_at_161045e_is_quoted_from_its_record():
     assert run["tunix"]["step_compiles"] == 2
 
 
+def scan_cost(runs: dict, scanned: str, unrolled: str) -> str:
+    """'compiled in … s scanned against … s unrolled, and took … s against … s, so … about N': a
+    scanned and an unrolled run's compile and step, and the steps after which unrolled is sooner."""
+    compiles = [runs[k]["step_compile_seconds"]["xla_compile"] for k in (scanned, unrolled)]
+    steps = [runs[k]["median_step_seconds"] for k in (scanned, unrolled)]
+    return (f"compiled in {compiles[0]:.1f} s scanned against {compiles[1]:.1f} s unrolled, and took {steps[0]:.3f} s "
+            f"against {steps[1]:.3f} s, so {{}}about "
+            f"{100 * round((compiles[1] - compiles[0]) / (steps[0] - steps[1]) / 100):,} steps")
+
+
 def test_the_cli_doc_quotes_the_scans_step_cost():
     doc = " ".join((HERE.parent.parent / "docs" / "cli.md").read_text().split())
     runs = json.loads((HERE / ROPE).read_text())["runs"]
-    scanned = runs["161045e lora_r16_scan save_projections 8 vocab_chunk=37984"]
-    unrolled = runs["efccfea lora_r16 save_projections 8 vocab_chunk=37984"]
-    compiles = [r["step_compile_seconds"]["xla_compile"] for r in (scanned, unrolled)]
-    steps = [r["median_step_seconds"] for r in (scanned, unrolled)]
-    assert (f"compiled in {compiles[0]:.1f} s scanned against {compiles[1]:.1f} s unrolled, and took {steps[0]:.3f} s "
-            f"against {steps[1]:.3f} s, so a run of more than about "
-            f"{100 * round((compiles[1] - compiles[0]) / (steps[0] - steps[1]) / 100):,} steps finishes sooner unrolled") in doc
-    scanned = runs["161045e full_scan save_attention 8 vocab_chunk=37984"]
-    unrolled = runs["5b5de38 full save_attention 8 vocab_chunk=37984"]
-    compiles = [r["step_compile_seconds"]["xla_compile"] for r in (scanned, unrolled)]
-    steps = [r["median_step_seconds"] for r in (scanned, unrolled)]
-    assert (f"the full fine-tuning step (`save_attention`) compiled in {compiles[0]:.1f} s scanned against "
-            f"{compiles[1]:.1f} s unrolled, and took {steps[0]:.3f} s against {steps[1]:.3f} s, so about "
-            f"{100 * round((compiles[1] - compiles[0]) / (steps[0] - steps[1]) / 100):,} steps") in doc
+    lora = scan_cost(runs, "161045e lora_r16_scan save_projections 8 vocab_chunk=37984",
+                     "efccfea lora_r16 save_projections 8 vocab_chunk=37984")
+    assert lora.format("a run of more than ") + " finishes sooner unrolled" in doc
+    full = scan_cost(runs, "161045e full_scan save_attention 8 vocab_chunk=37984",
+                     "5b5de38 full save_attention 8 vocab_chunk=37984")
+    assert "the full fine-tuning step (`save_attention`) " + full.format("") in doc
