@@ -98,23 +98,21 @@ def stack_bound(params) -> float:
     return compare.float32_bound(sum(x.size for x in jax.tree.leaves(params)))
 
 
-@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
-def test_a_step_on_the_stack_is_the_step_per_block(use_lora):
-    """Three steps with the clip acting end within `stack_bound`; blocks run in reverse order
-    (the known-wrong stack) end over 100 times further."""
-    ways = ("plain", "stacked") if use_lora else ("plain", "stacked", "wrong")
-    start, ends = steps_each_way(use_lora, clip_norm=1.0, ways=ways)
-    assert float(ends["plain"][1]["grad_norm"]) > 1.0  # the clip acts
-    bound = stack_bound(start)
-    assert compare.relative_distance(ends["stacked"][0], ends["plain"][0], start) <= bound
-    if "wrong" in ends:
-        assert compare.relative_distance(ends["wrong"][0], ends["plain"][0], start) > 100 * bound
-
-
-def test_without_the_clip_the_stack_steps_bit_for_bit():
-    """The clip aside, the stack's step is the plain step: the same arithmetic."""
-    _, ends = steps_each_way(False, clip_norm=1e9)
+def test_a_step_on_the_stack_is_the_step_per_block():
+    """The clip aside (a norm it never reaches), the stack's step is the plain step, bit for bit:
+    the same arithmetic; blocks run in reverse order (the known-wrong stack) end over 100 times
+    further than `stack_bound`, the bound the clip's reordering is held to below."""
+    start, ends = steps_each_way(False, clip_norm=1e9, ways=("plain", "stacked", "wrong"))
     assert compare.bitwise_equal(ends["stacked"][0], ends["plain"][0])
+    assert compare.relative_distance(ends["wrong"][0], ends["plain"][0], start) > 100 * stack_bound(start)
+
+
+def test_where_the_clip_acts_the_stack_ends_within_its_bound():
+    """LoRA, three steps with the clip acting: its global norm sums the squares in the stack's
+    order, so the runs end within `stack_bound`, not bit for bit."""
+    start, ends = steps_each_way(True, clip_norm=1.0)
+    assert float(ends["plain"][1]["grad_norm"]) > 1.0  # the clip acts
+    assert compare.relative_distance(ends["stacked"][0], ends["plain"][0], start) <= stack_bound(start)
 
 
 def compile_seconds(n_layers: int, use_lora: bool = False, clip_norm: float = 1.0) -> float:
@@ -190,8 +188,10 @@ def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_pa
     is the backend's own dtype: bfloat16 on a TPU, where the two layouts' programs round apart by
     far more than the clip's reordering). Stopped after 2 steps without --scan-layers and
     resumed with it, the run ends within the stack's bound of the uninterrupted stacked run (its
-    first two steps ran one tree per block); the adapters export in PEFT's layout, one tensor
-    per block, the checkpoint's own."""
+    first two steps ran one tree per block). The stacked run's exports are in the model's layout,
+    one tensor per block: the adapters in PEFT's, the checkpoint's own, and the merged model
+    (--export-params) the adapters merged into the Hugging Face folder's base, bit for bit, as
+    `lora.merge` gives it."""
     from tunix_nb import cli, hf
 
     def run(name, *flags):
@@ -199,7 +199,8 @@ def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_pa
                          "--lora-rank", "4", "--parallel", "jit", "--compute-dtype", "float32",
                          "--ckpt-dir", str(tmp_path / name), *flags]) == 0
 
-    run("whole", "--scan-layers", "--export-adapter", str(tmp_path / "adapter"))
+    run("whole", "--scan-layers", "--export-adapter", str(tmp_path / "adapter"),
+        "--export-params", str(tmp_path / "merged"))
     run("cut", "--stop-after", "2")
     run("cut", "--scan-layers")
     whole, cut = checkpoint.load_params(tmp_path / "whole"), checkpoint.load_params(tmp_path / "cut")
@@ -208,6 +209,11 @@ def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_pa
     assert "blocks" in whole and compare.bitwise_equal(nnx.to_pure_dict(adapters), whole)
     start = nnx.to_pure_dict(lora.apply(graphdef, params, rank=4, alpha=8.0, seed=0)[1])
     assert compare.relative_distance(cut, whole, start) <= stack_bound(start)
+
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=4.0, seed=0)  # the default alpha: the rank
+    nnx.replace_by_pure_dict(adapters, whole)
+    merged = nnx.to_pure_dict(lora.merge(lora_graphdef, adapters, base, alpha=4.0)[1])
+    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "merged"), merged)
 
 
 def test_a_run_saved_before_the_stack_resumes_in_either_layout(tmp_path):
@@ -252,14 +258,12 @@ def test_the_shipped_checkpoints_start_a_stacked_run(tmp_path):
     assert shapes(trained) == shapes(shipped) and compare.max_abs_diff(trained, shipped) > 0
 
 
-def test_a_lora_base_is_handed_over_stacked_and_the_merged_export_reads_it(tmp_path):
+def test_a_lora_base_is_handed_over_stacked():
     """--scan-layers with LoRA stacks the frozen base too, freeing its per-block arrays: one tree
     per block, the model's scan would stack a copy of the whole base inside every step (1.69 GB of
     the chip's temporaries at Qwen3-0.6B's shapes: results/tpu_v5e_training/base_stack_plan.json).
-    The merged export (--export-params) is then the run's adapters merged into the checkpoint's
-    base, bit for bit, as `lora.merge` gives it from the Hugging Face folder."""
-    from tunix_nb import cli, hf
-
+    The command's merged export from such a run:
+    test_the_command_resumes_across_layouts_and_exports_the_models_layout."""
     graphdef, params = student(preset="tiny")
     graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
     a_base_block = jax.tree.leaves(nnx.to_pure_dict(base)["blocks"][0])[0]
@@ -267,12 +271,3 @@ def test_a_lora_base_is_handed_over_stacked_and_the_merged_export_reads_it(tmp_p
                                  frozen=lora.frozen(base)))
     assert layer_stack.is_stacked(method.frozen["base"]) and layer_stack.is_stacked(method.params)
     assert a_base_block.is_deleted()
-
-    assert cli.main(["sft", "--model", QWEN3, "--batch-size", "8", "--steps", "2", "--lora-rank", "4",
-                     "--scan-layers", "--parallel", "jit", "--compute-dtype", "float32",
-                     "--ckpt-dir", str(tmp_path / "run"), "--export-params", str(tmp_path / "merged")]) == 0
-    graphdef, params, _ = hf.load_pretrained(QWEN3, dtype="float32")
-    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=4.0, seed=0)  # the default alpha: the rank
-    nnx.replace_by_pure_dict(adapters, checkpoint.load_params(tmp_path / "run"))
-    merged = nnx.to_pure_dict(lora.merge(lora_graphdef, adapters, base, alpha=4.0)[1])
-    assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "merged"), merged)
