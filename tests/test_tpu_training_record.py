@@ -355,8 +355,8 @@ def base_stack_rows() -> list[str]:
 PROBES = "fit_probes_7f5c452.json"
 
 
-def largest_rows() -> list[str]:
-    record = json.loads((HERE / LARGEST).read_text())
+def largest_rows(plan_file: str = LARGEST) -> list[str]:
+    record = json.loads((HERE / plan_file).read_text())
 
     def verdict(t):
         if t["fits"]:
@@ -380,14 +380,15 @@ def probe_rows() -> list[str]:
 
 
 FIT_OR_OOM = "fit_or_oom_2b424e5.json"
+FIT_OR_OOM_NOW = "fit_or_oom_790ea5a.json"  # from LARGEST_NOW, the plan of the same code
 BASE_STACK_CHIP = [("splash_dc282f3.json", "lora_r16_scan", "per block"), ("base_stack_2b424e5.json", "lora_r16_scan", "stacked"),
                    ("base_stack_2b424e5.json", "llama_qlora_r16", "stacked")]
 
 
-def fit_or_oom_rows() -> list[str]:
-    plan = json.loads((HERE / LARGEST).read_text())
+def fit_or_oom_rows(plan_file: str = LARGEST, record_file: str = FIT_OR_OOM) -> list[str]:
+    plan = json.loads((HERE / plan_file).read_text())
     rows = []
-    for strategy, r in json.loads((HERE / FIT_OR_OOM).read_text())["strategies"].items():
+    for strategy, r in json.loads((HERE / record_file).read_text())["strategies"].items():
         for batch, t in r["tried"].items():
             if not t["fits"]:
                 refused = re.search(r"HLO temporaries \(([\d.]+G)\)", t["out_of_memory"])[1]
@@ -413,7 +414,9 @@ def test_the_chips_base_stack_and_fit_or_oom_tables_are_the_records():
     readme = (HERE / "README.md").read_text()
     assert table_of(readme, "base stack chip") == base_stack_chip_rows()
     assert table_of(readme, "fit or oom") == fit_or_oom_rows()
-    for record in ("base_stack_2b424e5.json", "tunix_2b424e5.json", FIT_OR_OOM):
+    assert table_of(readme, "largest batch plan 790ea5a") == largest_rows(LARGEST_NOW)
+    assert table_of(readme, "fit or oom 790ea5a") == fit_or_oom_rows(LARGEST_NOW, FIT_OR_OOM_NOW)
+    for record in ("base_stack_2b424e5.json", "tunix_2b424e5.json", FIT_OR_OOM, FIT_OR_OOM_NOW):
         assert "/tmp/" not in (HERE / record).read_text()
     for run in json.loads((HERE / "base_stack_2b424e5.json").read_text())["runs"].values():
         assert run["device"]["kind"] == "TPU v5 lite" and run["exit_code"] == 0 and run["step_compiles"] == 1
@@ -507,11 +510,13 @@ def test_the_plans_largest_batch_is_where_its_bytes_cross_the_chips():
         assert held == sorted(held) and record["config"]["scan_layers"]
 
 
-def test_the_chip_finds_the_plans_largest_batch_within_one_grid_step():
+@pytest.mark.parametrize("plan_file, record_file", [(LARGEST, FIT_OR_OOM), (LARGEST_NOW, FIT_OR_OOM_NOW)])
+def test_the_chip_finds_the_plans_largest_batch_within_one_grid_step(plan_file, record_file):
     """Issue 47, item 7: the largest batch that ran on the chip (fit_or_oom.py, RUNS=fit_or_oom in
-    run.sh) against the plan's, for LoRA and full fine-tuning."""
-    plan = json.loads((HERE / LARGEST).read_text())
-    chip = json.loads((HERE / FIT_OR_OOM).read_text())["strategies"]
+    run.sh) against the plan's, for LoRA and full fine-tuning: at 2b424e5 against the plan it
+    started from, and again at 790ea5a against the plan of that code."""
+    plan = json.loads((HERE / plan_file).read_text())
+    chip = json.loads((HERE / record_file).read_text())["strategies"]
     for strategy in ("lora", "full"):
         assert chip[strategy]["plan_largest_batch"] == plan[strategy]["largest_batch"]
         assert chip[strategy]["agrees"] and chip[strategy]["grid_steps_apart"] <= 1, chip[strategy]
@@ -568,7 +573,7 @@ def test_docs_benchmarks_quote_the_chips_fit_or_oom_base_stack_and_tunix():
     assert (f"it takes {best['kit_over_tunix_step']:.3f} times Tunix's ({best['kit']['step_seconds']:.4f} against "
             f"{best['tunix']['step_seconds']:.4f} s, `tunix_161045e.json`), at {best['kit_over_tunix_peak_memory']:.2f} "
             "times its peak: the aim of 0.9 met") in doc and best["kit_over_tunix_step"] <= 0.9
-    chip = json.loads((HERE / FIT_OR_OOM).read_text())["strategies"]
+    chip = json.loads((HERE / FIT_OR_OOM_NOW).read_text())["strategies"]
     refused = sorted(int(b) for r in chip.values() for b, t in r["tried"].items() if not t["fits"])
     assert f"at the next grid point ({refused[1]} and {refused[0]} rows)" in doc
     before = json.loads((HERE / "splash_dc282f3.json").read_text())["runs"]["lora_r16_scan"]
@@ -580,7 +585,7 @@ def test_docs_benchmarks_quote_the_chips_fit_or_oom_base_stack_and_tunix():
 def test_docs_benchmarks_quote_the_plans_largest_batch_and_base_stack():
     doc = DOCS.read_text()
     saved = json.loads((HERE / BASE_STACK).read_text())["temp_saved_bytes"]["splash"]
-    largest = json.loads((HERE / LARGEST).read_text())
+    largest = json.loads((HERE / LARGEST_NOW).read_text())
     assert f"holds {saved / GB:.2f} GB fewer" in doc
     lesson = json.loads((HERE.parent.parent / "notebooks" / "09_hf_checkpoints.ipynb").read_text())
     prose = "".join("".join(c["source"]) for c in lesson["cells"] if c["cell_type"] == "markdown")
@@ -632,19 +637,57 @@ def test_the_remedy_notes_point_to_the_side_by_side_in_one_process():
     assert f"run again in one process at 2b424e5 (above), the ratio is {run['kit_over_tunix_step']:.2f}." in notes
 
 
-def test_the_largest_batch_with_the_kept_residuals_is_quoted_from_its_plan():
-    kept = json.loads((HERE / "largest_batch_save_attention_plan.json").read_text())
-    plain = json.loads((HERE / LARGEST).read_text())
+def kept_against_plain(kept_file: str, plain_file: str) -> tuple[dict, dict]:
+    kept, plain = (json.loads((HERE / name).read_text()) for name in (kept_file, plain_file))
     assert all(kept[s]["config"]["remat_policy"] == "save_attention" and kept[s]["config"]["scan_layers"]
                for s in ("lora", "full"))
     assert all(kept[s]["largest_batch"] < plain[s]["largest_batch"] for s in ("lora", "full"))
-    quoted = (f"LoRA r16 fits {kept['lora']['largest_batch']} rows of 1024 tokens and full fine-tuning "
-              f"{kept['full']['largest_batch']}, against {plain['lora']['largest_batch']} and "
-              f"{plain['full']['largest_batch']} with `full`")
-    assert quoted in " ".join((HERE / "README.md").read_text().split())
+    return kept, plain
+
+
+def test_the_largest_batch_with_the_kept_residuals_is_quoted_from_its_plan():
+    """README: the plans at 4371e31 and bc2fe9a where its remat section quotes them, and the plans
+    again at 790ea5a; docs/cli.md: the newest."""
+    notes = " ".join((HERE / "README.md").read_text().split())
+    kept, plain = kept_against_plain("largest_batch_save_attention_plan_4371e31.json", LARGEST)
+    assert (f"LoRA r16 fits {kept['lora']['largest_batch']} rows of 1024 tokens and full fine-tuning "
+            f"{kept['full']['largest_batch']}, against {plain['lora']['largest_batch']} and "
+            f"{plain['full']['largest_batch']} with `full`") in notes
+    before = kept
+    kept, plain = kept_against_plain("largest_batch_save_attention_plan.json", LARGEST_NOW)
+    assert (f"LoRA r16 fits {kept['lora']['largest_batch']} rows of 1024 tokens, as before, and full fine-tuning "
+            f"{kept['full']['largest_batch']}, where it fitted {before['full']['largest_batch']}; against "
+            f"{plain['lora']['largest_batch']} and {plain['full']['largest_batch']} with `full`") in notes
+    assert kept["lora"]["largest_batch"] == before["lora"]["largest_batch"]
     cli_doc = " ".join((HERE.parent.parent / "docs" / "cli.md").read_text().split())
     assert (f"LoRA r16 fits {kept['lora']['largest_batch']} rows instead of {plain['lora']['largest_batch']} and full "
             f"fine-tuning {kept['full']['largest_batch']} instead of {plain['full']['largest_batch']}") in cli_doc
+
+
+def test_the_plan_again_and_the_chip_again_are_quoted_from_their_records():
+    """The notes under the plan and the chip at 790ea5a."""
+    notes = " ".join((HERE / "README.md").read_text().split())
+    now, before = (json.loads((HERE / name).read_text()) for name in (LARGEST_NOW, LARGEST))
+    chip = json.loads((HERE / FIT_OR_OOM_NOW).read_text())["strategies"]
+    assert f"**LoRA r16's largest batch is now {now['lora']['largest_batch']}**" in notes
+    assert now["lora"]["largest_batch"] < before["lora"]["largest_batch"] == 128
+    refused = re.search(r"HLO temporaries \(([\d.]+G)\)", now["lora"]["tried"]["128"]["refused"])[1]
+    assert f"at 128 the compiler refuses the step, its temporaries {refused}" in notes
+    apart = {s: chip[s]["tried"][str(chip[s]["largest_batch"])]["xla_memory"] for s in ("lora", "full")}
+    planned = {s: now[s]["tried"][str(chip[s]["largest_batch"])] for s in ("lora", "full")}
+    peaks = {abs(apart[s]["peak_bytes"] - planned[s]["peak_bytes"]) for s in ("lora", "full")}
+    assert peaks == {1536} and "the chip's peak is the plan's to 1,536 bytes for both" in notes
+    temps = [abs(apart[s]["temp_bytes"] - planned[s]["temp_bytes"]) for s in ("lora", "full")]
+    assert temps[0] == 0 and f"to the byte (LoRA) and to {temps[1] / 1e3:.0f} KB (full fine-tuning)" in notes
+    full_rise = now["full"]["tried"]["64"]["peak_bytes"] - before["full"]["tried"]["64"]["peak_bytes"]
+    llama = {k: before["qlora"]["tried"]["8"][k] - now["qlora"]["tried"]["8"][k] for k in ("peak_bytes", "temp_bytes")}
+    assert (f"full fine-tuning's peak at 64 rose by {full_rise / 1e6:.1f} MB, and Llama-3.2-1B's QLoRA step's fell by "
+            f"{llama['peak_bytes']:,} bytes (its temporaries by {llama['temp_bytes'] / 1e6:.1f} MB)") in notes
+    probes = json.loads((HERE / FIT_OR_OOM).read_text())["strategies"]
+    mfu = {s: r["tried"][str(r["largest_batch"])]["mfu"] for s, r in chip.items()}
+    old = {s: r["tried"][str(r["largest_batch"])]["mfu"] for s, r in probes.items()}
+    assert (f"LoRA {mfu['lora']:.3f} at 120, full fine-tuning {mfu['full']:.3f} at 64, against {old['lora']:.3f} at "
+            f"128 and {old['full']:.3f} at 64 at 2b424e5") in notes
 
 
 REMAT_CHIP = "remat_policy_bd3ac9e.json"

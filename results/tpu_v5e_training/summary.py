@@ -78,9 +78,14 @@ def tunix_answer() -> dict:
     return {"target": 1.0, "aim": 0.9, "aim_met": answers["kit_best"]["kit_over_tunix_step"] <= 0.9, **answers}
 
 
+# the newest fit-or-out-of-memory search on the chip, from the plan of the same code
+FIT_OR_OOM = "fit_or_oom_790ea5a.json"
+
+
 def fit_or_oom_answer() -> dict:
-    record = json.loads((HERE / "fit_or_oom_2b424e5.json").read_text())
-    return {"record": "results/tpu_v5e_training/fit_or_oom_2b424e5.json",
+    record = json.loads((HERE / FIT_OR_OOM).read_text())
+    return {"record": f"results/tpu_v5e_training/{FIT_OR_OOM}", "commit": record["commit"],
+            "plan": "results/tpu_v5e_training/largest_batch_plan.json",
             **{strategy: {key: r[key] for key in ("command", "plan_largest_batch", "largest_batch", "grid_steps_apart",
                                                   "agrees")}
                for strategy, r in record["strategies"].items()}}
