@@ -1081,3 +1081,20 @@ def test_the_cli_doc_quotes_the_scans_step_cost():
     full = scan_cost(runs, "161045e full_scan save_attention 8 vocab_chunk=37984",
                      "5b5de38 full save_attention 8 vocab_chunk=37984")
     assert "the full fine-tuning step (`save_attention`) " + full.format("") in doc
+
+
+def test_the_stored_plans_drift_is_quoted_from_its_check():
+    """results/memory.json's "after, chunked" rows against the same rows compiled from newer code."""
+    from tunix_nb import memory_plan
+
+    notes = " ".join((HERE / "README.md").read_text().split())
+    check = json.loads((HERE / "memory_rows_check_cb59e3d.json").read_text())["rows"]
+    again = {r["strategy"]: r["full_depth"] for r in check if r["target"] == "v5e" and r["variant"] == "after, chunked"}
+    stored = {s: memory_plan.stored_row("Qwen3-0.6B", s, "after, chunked")["full_depth"] for s in ("full", "lora")}
+    GIB = 2**30
+    assert (f"take {again['full']['total_bytes'] / GIB:.2f} GiB for full fine-tuning and {again['lora']['total_bytes'] / GIB:.2f} "
+            f"GiB for LoRA r16, against the stored {stored['full']['total_bytes'] / GIB:.2f} and "
+            f"{stored['lora']['total_bytes'] / GIB:.2f}") in notes
+    fell = {s: (stored[s]["temp_bytes"] - again[s]["temp_bytes"]) / 1e6 for s in ("full", "lora")}
+    assert f"their temporaries fell by {fell['full']:.1f} MB and {fell['lora']:.1f} MB" in notes
+    assert all(abs(stored[s]["peak_bytes"] - again[s]["peak_bytes"]) < 1e6 for s in ("full", "lora"))
