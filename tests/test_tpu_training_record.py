@@ -1083,18 +1083,27 @@ def test_the_cli_doc_quotes_the_scans_step_cost():
     assert "the full fine-tuning step (`save_attention`) " + full.format("") in doc
 
 
-def test_the_stored_plans_drift_is_quoted_from_its_check():
-    """results/memory.json's "after, chunked" rows against the same rows compiled from newer code."""
-    from tunix_nb import memory_plan
+def test_the_stored_plan_made_again_is_quoted_against_the_one_before():
+    """results/memory.json made again from 4345a38's code, against the rows it replaced (4345a38's)."""
+    import subprocess
 
     notes = " ".join((HERE / "README.md").read_text().split())
-    check = json.loads((HERE / "memory_rows_check_cb59e3d.json").read_text())["rows"]
-    again = {r["strategy"]: r["full_depth"] for r in check if r["target"] == "v5e" and r["variant"] == "after, chunked"}
-    stored = {s: memory_plan.stored_row("Qwen3-0.6B", s, "after, chunked")["full_depth"] for s in ("full", "lora")}
+    shown = subprocess.run(["git", "show", "4345a38:results/memory.json"], cwd=HERE, capture_output=True, text=True,
+                           check=True).stdout
+
+    def rows(record: dict) -> dict:
+        return {(r["model"], r["strategy"], r["variant"], r["target"]): r["full_depth"] for r in record["rows"]}
+
+    before, now = rows(json.loads(shown)), rows(json.loads((HERE.parent / "memory.json").read_text()))
+    assert set(before) == set(now) and len(now) == 24
+    chunked = {s: ("Qwen3-0.6B", s, "after, chunked", "v5e") for s in ("full", "lora")}
     GIB = 2**30
-    assert (f"take {again['full']['total_bytes'] / GIB:.2f} GiB for full fine-tuning and {again['lora']['total_bytes'] / GIB:.2f} "
-            f"GiB for LoRA r16, against the stored {stored['full']['total_bytes'] / GIB:.2f} and "
-            f"{stored['lora']['total_bytes'] / GIB:.2f}") in notes
-    fell = {s: (stored[s]["temp_bytes"] - again[s]["temp_bytes"]) / 1e6 for s in ("full", "lora")}
+    assert (f"take {now[chunked['full']]['total_bytes'] / GIB:.2f} GiB for full fine-tuning and "
+            f"{now[chunked['lora']]['total_bytes'] / GIB:.2f} GiB for LoRA r16, against "
+            f"{before[chunked['full']]['total_bytes'] / GIB:.2f} and {before[chunked['lora']]['total_bytes'] / GIB:.2f} "
+            "before") in notes
+    fell = {s: (before[k]["temp_bytes"] - now[k]["temp_bytes"]) / 1e6 for s, k in chunked.items()}
     assert f"their temporaries fell by {fell['full']:.1f} MB and {fell['lora']:.1f} MB" in notes
-    assert all(abs(stored[s]["peak_bytes"] - again[s]["peak_bytes"]) < 1e6 for s in ("full", "lora"))
+    assert all(abs(before[k]["peak_bytes"] - now[k]["peak_bytes"]) < 1e6 for k in chunked.values())
+    moved = max(abs(now[k]["total_bytes"] - before[k]["total_bytes"]) for k in now) / 1e6
+    assert f"No row's total moved by more than {moved:.1f} MB" in notes
