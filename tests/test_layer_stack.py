@@ -2,6 +2,7 @@
 the same steps as one tree per block, a compile that does not grow with the depth, checkpoints
 that convert between the two layouts, and exports in the model's own layout."""
 
+import json
 import time
 from pathlib import Path
 
@@ -56,36 +57,30 @@ def test_blocks_that_cannot_be_stacked_are_named():
         layer_stack.stack({"blocks": {0: block, 2: block}})
 
 
-def reversed_blocks(objective):
-    """A known-wrong stacked objective: the blocks run in reverse order."""
-    def wrong(stacked, batch, frozen=None):
-        flipped = jax.tree.map(lambda x: x[::-1], stacked[layer_stack.STACKED])
-        return objective({**stacked, layer_stack.STACKED: flipped}, batch, frozen)
-    return wrong
+def reversed_blocks(stacked):
+    """The stack with its blocks in reverse order: the stacked step run on it trains the blocks
+    in reverse order (a known-wrong stack), with the program the stacked way already compiled."""
+    return {**stacked, layer_stack.STACKED: jax.tree.map(lambda x: x[::-1], stacked[layer_stack.STACKED])}
 
 
-def steps_each_way(use_lora: bool, clip_norm: float, ways=("plain", "stacked")):
-    """(start, {way: (params, metrics)}): three steps from the same start and batches, one tree
-    per block ("plain"), stacked, and stacked with the blocks run in reverse ("wrong")."""
+def steps_each_way(clip_norm: float, ways=("plain", "stacked")):
+    """(start, {way: (params, metrics)}): three steps of full fine-tuning from the same start and
+    batches, one tree per block ("plain"), stacked, and stacked with the blocks run in reverse
+    ("wrong": handed to the step reversed, and turned back after)."""
     rows = data.sft_arrays(data.load_sft()[:48], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
     ends = {}
     for way in ways:
         graphdef, params = student(preset="tiny")
-        frozen = None
-        if use_lora:
-            graphdef, params, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
-            frozen = lora.frozen(base)
         start = jax.tree.map(jnp.copy, params)
-        objective = sft.objective(graphdef)
-        method = Method(graphdef, params, {}, lora.objective(objective) if use_lora else objective, frozen=frozen)
+        method = Method(graphdef, params, {}, sft.objective(graphdef))
         method = method if way == "plain" else stack_layers(method)
         opt = optimizer(clip_norm)
-        step = train.make_step(reversed_blocks(method.objective) if way == "wrong" else method.objective, opt)
-        p, o = method.params, opt.init(method.params)
+        step = train.make_step(method.objective, opt)
+        p = reversed_blocks(method.params) if way == "wrong" else method.params
+        o = opt.init(p)
         for k in range(3):
-            p, o, metrics = step(p, o, {key: jnp.asarray(v[16 * k:16 * (k + 1)]) for key, v in rows.items()},
-                                 method.frozen)
-        ends[way] = (p if way == "plain" else method.unstack(p), metrics)
+            p, o, metrics = step(p, o, {key: jnp.asarray(v[16 * k:16 * (k + 1)]) for key, v in rows.items()})
+        ends[way] = (p if way == "plain" else method.unstack(reversed_blocks(p) if way == "wrong" else p), metrics)
     return start, ends
 
 
@@ -101,67 +96,54 @@ def stack_bound(params) -> float:
 def test_a_step_on_the_stack_is_the_step_per_block():
     """The clip aside (a norm it never reaches), the stack's step is the plain step, bit for bit:
     the same arithmetic; blocks run in reverse order (the known-wrong stack) end over 100 times
-    further than `stack_bound`, the bound the clip's reordering is held to below."""
-    start, ends = steps_each_way(False, clip_norm=1e9, ways=("plain", "stacked", "wrong"))
+    further than `stack_bound`, the bound the clip's reordering is held to where it acts (LoRA,
+    through the command: test_the_command_resumes_across_layouts_and_exports_the_models_layout)."""
+    start, ends = steps_each_way(clip_norm=1e9, ways=("plain", "stacked", "wrong"))
     assert compare.bitwise_equal(ends["stacked"][0], ends["plain"][0])
     assert compare.relative_distance(ends["wrong"][0], ends["plain"][0], start) > 100 * stack_bound(start)
 
 
-def test_where_the_clip_acts_the_stack_ends_within_its_bound():
-    """LoRA, three steps with the clip acting: its global norm sums the squares in the stack's
-    order, so the runs end within `stack_bound`, not bit for bit."""
-    start, ends = steps_each_way(True, clip_norm=1.0)
-    assert float(ends["plain"][1]["grad_norm"]) > 1.0  # the clip acts
-    assert compare.relative_distance(ends["stacked"][0], ends["plain"][0], start) <= stack_bound(start)
-
-
-def compile_seconds(n_layers: int, use_lora: bool = False, clip_norm: float = 1.0) -> float:
+def compile_seconds(n_layers: int, clip_norm: float) -> float:
+    """XLA's compile of the command's stacked step (`stack_layers`), full fine-tuning."""
     graphdef, params = student(n_layers)
-    frozen = None
-    if use_lora:
-        graphdef, params, base = lora.apply(graphdef, params, rank=4, alpha=8.0)
-        frozen = lora.frozen(base)
-    objective = lora.objective(sft.objective(graphdef)) if use_lora else sft.objective(graphdef)
-    method = stack_layers(Method(graphdef, params, {}, objective, frozen=frozen))
+    method = stack_layers(Method(graphdef, params, {}, sft.objective(graphdef)))
     tokens = jax.random.randint(jax.random.key(0), (4, 64), 0, 200)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "attention_mask": jnp.ones_like(tokens),
              "loss_mask": jnp.ones((4, 64), jnp.float32)}
     opt = optimizer(clip_norm)
-    lowered = train.make_step(method.objective, opt).lower(method.params, opt.init(method.params), batch, method.frozen)
+    lowered = train.make_step(method.objective, opt).lower(method.params, opt.init(method.params), batch)
     start = time.perf_counter()
     lowered.compile()
     return time.perf_counter() - start
 
 
-def depth_ratios(clip_norm: float = 1.0) -> dict:
-    """{"full": 28-layer / 2-layer compile seconds, "lora": the same}: one compile each, a second
-    (the best of two) only where the first ratio is over 1.5, as a busy machine's timing can be."""
-    ratios = {}
-    for name, use_lora in (("full", False), ("lora", True)):
-        seconds = {n: compile_seconds(n, use_lora, clip_norm) for n in (2, 28)}
-        if seconds[28] > 1.5 * seconds[2]:
-            seconds = {n: min(s, compile_seconds(n, use_lora, clip_norm)) for n, s in seconds.items()}
-        ratios[name] = seconds[28] / seconds[2]
-    return ratios
+def depth_ratio(clip_norm: float) -> float:
+    """28-layer / 2-layer compile seconds: one compile each, a second (the best of two) only where
+    the first ratio is over 1.5, as a busy machine's timing can be."""
+    seconds = {n: compile_seconds(n, clip_norm) for n in (2, 28)}
+    if seconds[28] > 1.5 * seconds[2]:
+        seconds = {n: min(s, compile_seconds(n, clip_norm)) for n, s in seconds.items()}
+    return seconds[28] / seconds[2]
 
 
 def test_the_compile_does_not_grow_with_depth():
     """The command's stacked step at 28 layers compiles in at most 1.5x its 2-layer time (the
-    best of two where the first is over), full fine-tuning and LoRA. Each run's steps are new to
-    JAX's persistent cache, which would otherwise answer from earlier runs: the clip norm, a
-    constant in the compiled program (and so in the cache's key), differs in its last digits
-    each run, and nothing compiled here is written to the cache. One tree per block took 3.74x
-    (results/compile_costs/depth_cpu.json); LoRA's blocks, each named by qwix with its index,
-    ran as a loop until the scan learned to name them as block 0's."""
+    best of two where the first is over). Each run's steps are new to JAX's persistent cache,
+    which would otherwise answer from earlier runs: the clip norm, a constant in the compiled
+    program (and so in the cache's key), differs in its last digits each run, and nothing
+    compiled here is written to the cache. One tree per block took 3.74x
+    (results/compile_costs/depth_cpu.json). LoRA's blocks, each named by qwix with its index,
+    ran as a loop until the scan learned to name them as block 0's: that the adapted blocks
+    lower to one loop is test_model's test_scanned_blocks_compute_the_unrolled_models_logits_..."""
     import random
 
     minimum = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
-        ratios = depth_ratios(clip_norm=1.0 + random.random() * 1e-6)
+        ratio = depth_ratio(clip_norm=1.0 + random.random() * 1e-6)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
-    assert max(ratios.values()) <= 1.5, ratios
+    assert ratio <= 1.5, ratio
 
 
 def test_checkpoints_convert_between_the_layouts(tmp_path):
@@ -186,12 +168,14 @@ def test_checkpoints_convert_between_the_layouts(tmp_path):
 def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_path):
     """LoRA on the Qwen3 fixture, in-process, in float32 on every backend (the command's "auto"
     is the backend's own dtype: bfloat16 on a TPU, where the two layouts' programs round apart by
-    far more than the clip's reordering). Stopped after 2 steps without --scan-layers and
-    resumed with it, the run ends within the stack's bound of the uninterrupted stacked run (its
-    first two steps ran one tree per block). The stacked run's exports are in the model's layout,
-    one tensor per block: the adapters in PEFT's, the checkpoint's own, and the merged model
-    (--export-params) the adapters merged into the Hugging Face folder's base, bit for bit, as
-    `lora.merge` gives it."""
+    far more than the clip's reordering). Stopped after 2 steps with --scan-layers and resumed
+    without it (a stacked checkpoint read one tree per block), the run ends within the stack's
+    bound of the uninterrupted stacked run (its last two steps ran one tree per block, with the
+    clip acting: their gradient norms are over the default clip of 1). A run saved one tree per
+    block resumes stacked: test_a_run_saved_before_the_stack_resumes_in_either_layout. The
+    stacked run's exports are in the model's layout, one tensor per block: the adapters in PEFT's,
+    the checkpoint's own, and the merged model (--export-params) the adapters merged into the
+    Hugging Face folder's base, bit for bit, as `lora.merge` gives it."""
     from tunix_nb import cli, hf
 
     def run(name, *flags):
@@ -201,16 +185,20 @@ def test_the_command_resumes_across_layouts_and_exports_the_models_layout(tmp_pa
 
     run("whole", "--scan-layers", "--export-adapter", str(tmp_path / "adapter"),
         "--export-params", str(tmp_path / "merged"))
-    run("cut", "--stop-after", "2")
-    run("cut", "--scan-layers")
+    run("cut", "--scan-layers", "--stop-after", "2")
+    run("cut", "--metrics-file", str(tmp_path / "cut.jsonl"))
+    plain_steps = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in plain_steps] == [3, 4] and min(row["grad_norm"] for row in plain_steps) > 1.0
+    assert not checkpoint.load_meta(tmp_path / "cut").get("stacked_blocks")
     whole, cut = checkpoint.load_params(tmp_path / "whole"), checkpoint.load_params(tmp_path / "cut")
     graphdef, params, _ = hf.load_pretrained(QWEN3, dtype="float32")
     _, adapters, _, _ = peft_adapter.load_adapter(tmp_path / "adapter", graphdef, params)
     assert "blocks" in whole and compare.bitwise_equal(nnx.to_pure_dict(adapters), whole)
-    start = nnx.to_pure_dict(lora.apply(graphdef, params, rank=4, alpha=8.0, seed=0)[1])
+    # the command's adapters at step 0 (the default alpha, the rank, scales them, not their values)
+    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=4.0, seed=0)
+    start = nnx.to_pure_dict(adapters)
     assert compare.relative_distance(cut, whole, start) <= stack_bound(start)
 
-    lora_graphdef, adapters, base = lora.apply(graphdef, params, rank=4, alpha=4.0, seed=0)  # the default alpha: the rank
     nnx.replace_by_pure_dict(adapters, whole)
     merged = nnx.to_pure_dict(lora.merge(lora_graphdef, adapters, base, alpha=4.0)[1])
     assert compare.bitwise_equal(checkpoint.load_params(tmp_path / "merged"), merged)
@@ -225,10 +213,14 @@ def test_a_run_saved_before_the_stack_resumes_in_either_layout(tmp_path):
 
     from tunix_nb import cli
 
+    from tunix_nb.cli import models as cli_models
+
     stored = Path(__file__).parent / "fixtures" / "pre_stack_run"
     assert not checkpoint.load_meta(stored).get("stacked_blocks")
     base = ["sft", "--model", "tiny", "--batch-size", "8", "--steps", "4", "--save-every", "2",
             "--compute-dtype", "float32"]
+    built = nnx.merge(*cli_models.build_model(cli.config_from_argv([*base, "--scan-layers", "--remat"]))[:2]).cfg
+    assert (built.scan_layers, built.remat) == (True, True)  # the model runs its blocks as one scan
     for name, flags in (("plain", []), ("stacked", ["--scan-layers"])):
         shutil.copytree(stored, tmp_path / name)
         assert cli.main([*base, "--ckpt-dir", str(tmp_path / name), *flags]) == 0

@@ -1,5 +1,5 @@
 """tunix_nb.mfu: a step's model FLOPs against a count by hand and against XLA's count of the
-kit's compiled step, and the chip's peak by device kind (issue 47, items 5 and 8)."""
+kit's step, and the chip's peak by device kind (issue 47, items 5 and 8)."""
 
 import types
 
@@ -39,15 +39,17 @@ def test_bad_input_is_named():
 
 
 def _xla_flops(remat: bool, rank: int | None):
-    """XLA's FLOPs of the kit's SFT step (float32 on the CPU), compiled from shapes alone."""
+    """XLA's FLOPs of the kit's SFT step (float32 on the CPU), lowered from shapes alone: XLA's
+    cost analysis of the program JAX hands it, not compiled (test_the_chip_figure_... and the
+    measure_command tests count compiled programs)."""
     graphdef, params = model.abstract_model(model.get_config(CONFIG, remat=remat))
     batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), np.float32 if k == "loss_mask" else np.int32)
              for k in ("inputs", "targets", "loss_mask", "attention_mask")}
     optimizer = train.make_optimizer(train.OptimizerConfig(total_steps=100))
     if rank is None:
         step = train.make_step(sft.objective(graphdef, compute_dtype=np.float32), optimizer)
-        compiled = step.lower(params, jax.eval_shape(optimizer.init, params), batch).compile()
-        return compiled_cost(compiled)["flops"], None
+        lowered = step.lower(params, jax.eval_shape(optimizer.init, params), batch)
+        return compiled_cost(lowered)["flops"], None
     built = {}
 
     def adapt(p):  # qwix traced over shapes only, as the memory plan does
@@ -56,12 +58,12 @@ def _xla_flops(remat: bool, rank: int | None):
 
     adapters, base = jax.eval_shape(adapt, params)
     step = train.make_step(lora.objective(sft.objective(built["graphdef"], compute_dtype=np.float32)), optimizer)
-    compiled = step.lower(adapters, jax.eval_shape(optimizer.init, adapters), batch, lora.frozen(base)).compile()
-    return compiled_cost(compiled)["flops"], model.count_params(adapters)
+    lowered = step.lower(adapters, jax.eval_shape(optimizer.init, adapters), batch, lora.frozen(base))
+    return compiled_cost(lowered)["flops"], model.count_params(adapters)
 
 
 def test_the_count_agrees_with_xla_on_the_kit_s_step():
-    """Without remat XLA's count of the compiled step (CPU) is the model count within 4%: XLA
+    """Without remat XLA's count of the step (CPU) is the model count within 4%: XLA
     also counts the elementwise ops, the softmax and AdamW's update (and, with a frozen base,
     skips the first block's input gradient, which nothing needs). With remat XLA counts each
     block's forward again: tests/test_measure_command.py checks that through the command."""

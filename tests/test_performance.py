@@ -149,28 +149,6 @@ def test_the_training_command_takes_remat_and_resumes_either_way(tmp_path):
                                 checkpoint.load_params(tmp_path / "remat")) <= 1e-6
 
 
-def test_the_training_command_scans_its_layers_on_request_and_resumes_either_way(tmp_path):
-    """--scan-layers runs the blocks as one scan (the built model says so) over their stack
-    (tunix_nb.layer_stack); the same update but for AdamW's last bits where the clip acts, so
-    a run stopped with it continues without it to within the stack's bound of a plain run
-    (tests/test_layer_stack.py)."""
-    from tunix_nb import checkpoint
-    from tunix_nb import cli as cli_module
-    from tunix_nb.cli import models as cli_models
-
-    # float32: "auto" is bfloat16 on an accelerator, where the two layouts' programs round apart
-    base = ["sft", "--model", "tiny", "--batch-size", "16", "--steps", "4", "--save-every", "2",
-            "--compute-dtype", "float32"]
-    graphdef, params, _ = cli_models.build_model(cli_module.config_from_argv([*base, "--scan-layers", "--remat"]))
-    assert (model.nnx.merge(graphdef, params).cfg.scan_layers, model.nnx.merge(graphdef, params).cfg.remat) == (True, True)
-    assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "plain")]) == 0
-    assert cli_module.main([*base, "--scan-layers", "--stop-after", "2", "--ckpt-dir", str(tmp_path / "scan")]) == 0
-    assert cli_module.main([*base, "--ckpt-dir", str(tmp_path / "scan")]) == 0
-    apart = compare.relative_distance(checkpoint.load_params(tmp_path / "scan"), checkpoint.load_params(tmp_path / "plain"),
-                                      model.nnx.to_pure_dict(params))
-    assert apart <= compare.float32_bound(model.count_params(params))  # the clip's norm: tests/test_layer_stack.py
-
-
 def test_spread_and_per_round_ratios():
     s = bench.spread([3.0, 1.0, 2.0, 4.0])
     assert s == {"median": 2.5, "q25": 1.75, "q75": 3.25, "min": 1.0, "max": 4.0, "rounds": 4}
