@@ -63,13 +63,13 @@ def reversed_blocks(stacked):
     return {**stacked, layer_stack.STACKED: jax.tree.map(lambda x: x[::-1], stacked[layer_stack.STACKED])}
 
 
-def steps_each_way(clip_norm: float, ways=("plain", "stacked")):
+def steps_each_way(clip_norm: float):
     """(start, {way: (params, metrics)}): three steps of full fine-tuning from the same start and
     batches, one tree per block ("plain"), stacked, and stacked with the blocks run in reverse
     ("wrong": handed to the step reversed, and turned back after)."""
     rows = data.sft_arrays(data.load_sft()[:48], ByteTokenizer(), data.DEFAULT_SEQ_LEN)
     ends = {}
-    for way in ways:
+    for way in ("plain", "stacked", "wrong"):
         graphdef, params = student(preset="tiny")
         start = jax.tree.map(jnp.copy, params)
         method = Method(graphdef, params, {}, sft.objective(graphdef))
@@ -98,7 +98,7 @@ def test_a_step_on_the_stack_is_the_step_per_block():
     the same arithmetic; blocks run in reverse order (the known-wrong stack) end over 100 times
     further than `stack_bound`, the bound the clip's reordering is held to where it acts (LoRA,
     through the command: test_the_command_resumes_across_layouts_and_exports_the_models_layout)."""
-    start, ends = steps_each_way(clip_norm=1e9, ways=("plain", "stacked", "wrong"))
+    start, ends = steps_each_way(clip_norm=1e9)
     assert compare.bitwise_equal(ends["stacked"][0], ends["plain"][0])
     assert compare.relative_distance(ends["wrong"][0], ends["plain"][0], start) > 100 * stack_bound(start)
 
@@ -212,7 +212,6 @@ def test_a_run_saved_before_the_stack_resumes_in_either_layout(tmp_path):
     import shutil
 
     from tunix_nb import cli
-
     from tunix_nb.cli import models as cli_models
 
     stored = Path(__file__).parent / "fixtures" / "pre_stack_run"

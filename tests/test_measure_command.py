@@ -22,8 +22,8 @@ def record(tmp_path_factory):
     saved = mfu.device_peak
     mfu.device_peak = lambda device=None: mfu.peak_for("TPU v5 lite")
     try:
-        code = measure_command.main(["--out", str(out), "--trace-steps", "2", "--trace-top", "1000", "--", "sft", "--model",
-                                     str(work / "model"), "--train-file", str(rows), "--max-length", "65",
+        code = measure_command.main(["--out", str(out), "--trace-steps", "2", "--trace-top", "1000", "--", "sft",
+                                     "--model", str(work / "model"), "--train-file", str(rows), "--max-length", "65",
                                      "--batch-size", "2", "--steps", str(STEPS), "--remat"])
     finally:
         mfu.device_peak = saved
